@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 
 import numpy as np
 import onnx
@@ -450,3 +451,167 @@ def test_label_encoder_of_a_missing_input_is_an_error(simple, tmp_path):
     _, model = simple
     with pytest.raises(BlockError, match="LabelEncoder.*'labels'"):
         artifacts.generate_artifacts(model, requires_grad=PARAMS, loss=Encoded(), artifact_directory=tmp_path)
+
+
+class TwoRanks(torch.nn.Module):
+    """Two outputs of different ranks, no parameter (the constants are plain tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(6)
+        self.a, self.b = torch.randn(2, 3, 4, 5, generator=gen), torch.randn(4, 3, 6, generator=gen)
+
+    def forward(self, x, y):
+        return self.a + x, self.b + y
+
+
+def test_custom_loss_block_without_base_init_over_outputs_of_two_ranks(tmp_path):
+    """test_custom_loss_function: generate_artifacts with a Block subclass whose __init__ does not call
+    Block.__init__, summing MSELoss and BCEWithLogitsLoss of a rank-4 and a rank-3 output (targets
+    target1, target2); the eval and training models compute torch's loss."""
+
+    class CustomLoss(onnxblock.Block):
+        def __init__(self) -> None:  # no super().__init__(), as the original
+            self._loss1 = onnxblock.loss.MSELoss()
+            self._loss2 = onnxblock.loss.BCEWithLogitsLoss()
+            self._add = onnxblock.blocks.Add()
+
+        def build(self, input1: str, input2: str) -> str:
+            return self._add(self._loss1(input1, target_name="target1"),
+                             self._loss2(input2, target_name="target2"))
+
+    net = TwoRanks()
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(2, 3, 4, 5, generator=gen), torch.randn(4, 3, 6, generator=gen)
+    t1, t2 = torch.randn(2, 3, 4, 5, generator=gen), torch.rand(4, 3, 6, generator=gen)
+    artifacts.generate_artifacts(export(net, (x, y)), loss=CustomLoss(), artifact_directory=tmp_path)
+    expected = (torch.nn.functional.mse_loss(net.a + x, t1)
+                + torch.nn.functional.binary_cross_entropy_with_logits(net.b + y, t2)).item()
+    feeds = {"input-0": x.numpy(), "input-1": y.numpy(), "target1": t1.numpy(), "target2": t2.numpy()}
+    reset = {"lazy_reset_grad": np.full(1, True)}
+    for name, extra in (("eval_model.onnx", {}), ("training_model.onnx", reset)):
+        m = onnx.load(tmp_path / name)
+        (got,) = run_both(m, {**feeds, **extra}, [m.graph.output[0].name])
+        np.testing.assert_allclose(got, expected, rtol=1e-5, err_msg=name)
+
+
+class DropoutNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(p=0.5)
+
+    def forward(self, x):
+        return self.dropout(x)
+
+
+def test_additional_output_names_regenerated_into_the_same_directory(tmp_path):
+    """test_additional_output_names and test_eval_model_has_no_training_mode_dropout: artifacts of a
+    Dropout net with CrossEntropyLoss have the loss as the eval model's only output; generated again into
+    the same directory with additional_output_names=["output-0"], two, the second the input itself (the
+    eval model's Dropout is inactive: its training_mode slot empty)."""
+    x = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(8))
+    model = export(DropoutNet(), (x,))
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    assert len(onnx.load(tmp_path / "eval_model.onnx").graph.output) == 1
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path,
+                                 additional_output_names=["output-0"])
+    evaluation = onnx.load(tmp_path / "eval_model.onnx")
+    assert [o.name for o in evaluation.graph.output][1:] == ["output-0"]
+    dropouts = [n for n in evaluation.graph.node if n.op_type == "Dropout"]
+    assert dropouts and all(len(n.input) < 3 or not n.input[2] for n in dropouts)
+    labels = torch.randint(0, 3, (1, 8, 8), generator=torch.Generator().manual_seed(9))
+    loss, out = run_both(evaluation, {"input-0": x.numpy(), "labels": labels.numpy()},
+                         [o.name for o in evaluation.graph.output])
+    np.testing.assert_array_equal(out, x.numpy())
+    np.testing.assert_allclose(loss, torch.nn.functional.cross_entropy(x, labels).item(), rtol=1e-5)
+
+
+def test_ort_format_and_nominal_checkpoint(simple, tmp_path):
+    """test_save_ort_format and test_save_nominal_checkpoint: ort_format=True writes an .ort copy of each
+    model beside the .onnx one, which onnxruntime loads and runs alike; the three models share one
+    default-domain opset (onnxruntime-training keeps the base's 14, onnxtrain moves models before 17 to 17,
+    as the README says); nominal_checkpoint=True writes a nominal checkpoint smaller than the checkpoint."""
+    from onnxtrain.training.api import CheckpointState
+
+    net, model = simple
+    artifacts.generate_artifacts(model, requires_grad=PARAMS, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path,
+                                 ort_format=True, nominal_checkpoint=True)
+    opsets = set()
+    for kind in ("training", "eval", "optimizer"):
+        assert (tmp_path / f"{kind}_model.onnx").exists() and (tmp_path / f"{kind}_model.ort").exists()
+        opsets.add(next(o.version for o in onnx.load(tmp_path / f"{kind}_model.onnx").opset_import
+                        if o.domain in ("", "ai.onnx")))
+    assert opsets == {17}
+    gen = torch.Generator().manual_seed(10)
+    x, labels = torch.randn(BATCH, IN, generator=gen), torch.randint(0, OUT, (BATCH,), generator=gen)
+    feeds = {"input-0": x.numpy(), "labels": labels.numpy(),
+             **{n: p.detach().numpy() for n, p in net.named_parameters()}}
+    from_ort = ort.InferenceSession(str(tmp_path / "eval_model.ort"), providers=["CPUExecutionProvider"])
+    from_onnx = run_both(onnx.load(tmp_path / "eval_model.onnx"), feeds, [from_ort.get_outputs()[0].name])
+    np.testing.assert_allclose(from_ort.run(None, feeds)[0], from_onnx[0], rtol=1e-6)
+    np.testing.assert_allclose(from_onnx[0], torch.nn.functional.cross_entropy(net(x), labels).item(),
+                               rtol=1e-5)
+    checkpoint, nominal = tmp_path / "checkpoint", tmp_path / "nominal_checkpoint"
+    assert os.path.getsize(checkpoint) > os.path.getsize(nominal)
+    assert CheckpointState.load_checkpoint(nominal).is_nominal
+    assert not CheckpointState.load_checkpoint(checkpoint).is_nominal
+
+
+_ORT_WEIGHT_DECAY = PREAMBLE + r"""
+import numpy as np
+from onnxruntime.training import artifacts, onnxblock
+
+base, folder, data, wd, lr = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+artifacts.generate_artifacts(onnx.load(base), requires_grad=json.loads(sys.argv[6]),
+                             loss=artifacts.LossType.CrossEntropyLoss,
+                             optimizer=onnxblock.optim.AdamW(weight_decay=wd), artifact_directory=folder)
+decays = [a.f for n in onnx.load(folder + "/optimizer_model.onnx").graph.node if "AdamW" in n.op_type
+          for a in n.attribute if a.name == "weight_decay"]
+state, m, o = open_artifacts(folder, lr)
+batches = np.load(data)
+for i in range(2):
+    m(batches[f"x{i}"], batches[f"labels{i}"]); o.step(); m.lazy_reset_grad()
+print(json.dumps({"decays": decays, **{k: p.data.ravel().tolist() for k, p in state.parameters}}))
+"""
+
+
+def test_custom_optimizer_block_weight_decay_steps_as_onnxruntime_training(simple, tmp_path):
+    """test_custom_optimizer_block: generate_artifacts with optimizer=onnxblock.optim.AdamW(weight_decay=123)
+    (onnxruntime-training writes the value into its AdamW node); two steps move the parameters as those of
+    onnxruntime-training 1.19.2's artifacts for the same block."""
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    net, model = simple
+    weight_decay, lr = 123.0, 1e-3
+    base = str(tmp_path / "base.onnx")
+    onnx.save(model, base)
+    gen = torch.Generator().manual_seed(11)
+    data = {}
+    for i in range(2):
+        data[f"x{i}"] = torch.randn(BATCH, IN, generator=gen).numpy()
+        data[f"labels{i}"] = torch.randint(0, OUT, (BATCH,), generator=gen).numpy()
+    np.savez(tmp_path / "data.npz", **data)
+    (tmp_path / "theirs").mkdir()
+    theirs = run_script(_ORT_WEIGHT_DECAY, base, str(tmp_path / "theirs"), str(tmp_path / "data.npz"),
+                        str(weight_decay), str(lr), json.dumps(PARAMS))
+    assert theirs.pop("decays") == [weight_decay]
+
+    ours_dir = tmp_path / "ours"
+    ours_dir.mkdir()
+    artifacts.generate_artifacts(model, requires_grad=PARAMS, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=onnxblock.optim.AdamW(weight_decay=weight_decay),
+                                 artifact_directory=ours_dir)
+    state = CheckpointState.load_checkpoint(ours_dir / "checkpoint")
+    module = Module(str(ours_dir / "training_model.onnx"), state)
+    opt = Optimizer(str(ours_dir / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(lr)
+    for i in range(2):
+        module(data[f"x{i}"], data[f"labels{i}"])
+        opt.step()
+        module.lazy_reset_grad()
+    start = {n: p.detach().numpy() for n, p in net.named_parameters()}
+    for n in PARAMS:
+        ours = state.parameters[n].data
+        assert not np.allclose(ours, start[n])  # the decay moved them
+        np.testing.assert_allclose(ours.ravel(), theirs[n], rtol=1e-5, atol=1e-6, err_msg=n)
