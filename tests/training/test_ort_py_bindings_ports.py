@@ -428,3 +428,136 @@ def test_a_nominal_state_refuses_any_value_as_nominal(simple_net, tmp_path) -> N
             state.parameters["fc1.weight"] = value
     with pytest.raises(KeyError, match="Parameter nope not found"):
         state.parameters["nope"] = np.ones(3, np.float32)
+
+
+# ---------------------------------------------------------------- against onnxruntime-training itself
+# The ported tests' calls, made by onnxruntime-training 1.19.2 (its venv) and by onnxtrain on the same
+# artifacts of onnxruntime-training's generator; the same source runs on both sides.
+_CALLS = r'''
+import os
+import numpy as np
+
+PROPERTIES = [-1, 0, 1, 1234567890, -1.0, -0.1, 0.1, 1.0, 1234.0, "hello", "world", "onnxruntime"]
+
+
+def ported_calls(api, folder, out, data, options=None):
+    """The values the ported tests' calls give on the artifacts in folder/{full,SGD,AdamW} (full: all four
+    parameters trained by AdamW, with a nominal checkpoint; SGD, AdamW: fc1 frozen)."""
+    kw = {} if options is None else {"session_options": options}
+    x, y, x2, y2 = data["x"], data["y"], data["x2"], data["y2"]
+    art = lambda kind, name: os.path.join(folder, kind, name)  # noqa: E731
+    rec = {}
+    state = api.CheckpointState.load_checkpoint(art("full", "checkpoint"))
+    m = api.Module(art("full", "training_model.onnx"), state, art("full", "eval_model.onnx"), **kw)
+    rec["train_loss"] = m(x, y)
+    rec["train_names"] = np.array(m.input_names() + m.output_names())
+    rec["grads"] = np.concatenate([p.grad.reshape(-1) for _, p in state.parameters])
+    m.eval()
+    rec["eval_loss"] = m(x, y)
+    rec["eval_names"] = np.array(m.input_names() + m.output_names())
+    m.train()
+    for kind in ("SGD", "AdamW"):
+        st = api.CheckpointState.load_checkpoint(art(kind, "checkpoint"))
+        mm = api.Module(art(kind, "training_model.onnx"), st, **kw)
+        opt = api.Optimizer(art(kind, "optimizer_model.onnx"), mm)
+        rec[kind + "_lr"] = np.array([opt.get_learning_rate()])
+        rec[kind + "_grad_flags"] = np.array([f"{n}:{p.requires_grad}:{p.grad is None}"
+                                              for n, p in st.parameters])
+        old = mm.get_contiguous_parameters(trainable_only=True)
+        mm(x, y)
+        opt.step()
+        rec[kind + "_step"] = mm.get_contiguous_parameters(trainable_only=False).numpy().copy()
+        mm.copy_buffer_to_parameters(old, trainable_only=True)
+        rec[kind + "_restored"] = mm.get_contiguous_parameters(trainable_only=False).numpy().copy()
+        mm.lazy_reset_grad()
+        opt.set_learning_rate(0.01)
+        mm(x2, y2)
+        opt.step()
+        rec[kind + "_second_step"] = mm.get_contiguous_parameters(trainable_only=False).numpy().copy()
+    nominal_state = api.CheckpointState.load_checkpoint(art("full", "nominal_checkpoint"))
+    nm = api.Module(art("full", "training_model.onnx"), nominal_state, **kw)
+    nopt = api.Optimizer(art("full", "optimizer_model.onnx"), nm)
+    rec["nominal_sizes"] = np.array([nm.get_parameters_size(), nm.get_parameters_size(False),
+                                     len(nominal_state.parameters)])
+    nm.copy_buffer_to_parameters(m.get_contiguous_parameters(), trainable_only=False)
+    rec["nominal_loss"] = nm(x, y)
+    nopt.step()
+    rec["nominal_step"] = nm.get_contiguous_parameters().numpy().copy()
+    for i, value in enumerate(PROPERTIES):
+        state.properties[f"p{i}"] = value
+    saved = os.path.join(out, "checkpoint")
+    api.CheckpointState.save_checkpoint(state, saved)
+    again = api.CheckpointState.load_checkpoint(saved)
+    rec["properties"] = np.array([f"{n}={v!r}" for n, v in again.properties])
+    reloaded = api.Module(art("full", "training_model.onnx"), again)
+    rec["reloaded"] = reloaded.get_contiguous_parameters().numpy()
+    m.export_model_for_inferencing(os.path.join(out, "inference.onnx"), ["output-0"])
+    return rec
+'''
+
+_ORTT_SCRIPT = r'''
+import sys
+from onnxruntime.training import api, artifacts
+folder, out, model_path, data_path = sys.argv[1:5]
+model = onnx.load(model_path)
+params = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+kinds = (("full", "AdamW", params), ("SGD", "SGD", params[2:]), ("AdamW", "AdamW", params[2:]))
+for kind, optimizer, trained in kinds:
+    os.makedirs(os.path.join(folder, kind))
+    artifacts.generate_artifacts(model, optimizer=getattr(artifacts.OptimType, optimizer),
+                                 loss=artifacts.LossType.CrossEntropyLoss, requires_grad=trained,
+                                 frozen_params=[p for p in params if p not in trained],
+                                 artifact_directory=os.path.join(folder, kind),
+                                 nominal_checkpoint=kind == "full")
+np.savez(os.path.join(out, "record.npz"), **ported_calls(api, folder, out, dict(np.load(data_path))))
+print(json.dumps("done"))
+'''
+
+
+@pytest.mark.slow
+def test_the_ported_calls_agree_with_onnxruntime_training(simple_net, tmp_path) -> None:
+    """Every value the ported tests' calls give (losses, names, gradients, learning rate, SGD and AdamW
+    steps over a frozen fc1, buffers copied back, a second step at another rate, a nominal state's sizes,
+    loss and step, properties and parameters through a save, the exported model's outputs) is
+    onnxruntime-training 1.19.2's on its own artifacts, on the numpy engine and the onnxruntime backend.
+    (The scheduler is left out: 1.19.2's wrapper swaps its counts, see
+    test_learning_rate_get_set_and_scheduler.)"""
+    import onnxruntime
+
+    from tests.ortt import PREAMBLE, ensure_ortt, run_script
+
+    python = ensure_ortt()
+    model, _ = simple_net
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(model)
+    lowered.ir_version = min(lowered.ir_version, 10)
+    model_path, data_path = str(tmp_path / "net.onnx"), str(tmp_path / "data.npz")
+    onnx.save(lowered, model_path)
+    x, y = _batch(10)
+    x2, y2 = _batch(11)
+    np.savez(data_path, x=x, y=y, x2=x2, y2=y2)
+    folder, theirs = tmp_path / "artifacts", tmp_path / "theirs"
+    folder.mkdir()
+    theirs.mkdir()
+    assert run_script(PREAMBLE + "import os\n" + _CALLS + _ORTT_SCRIPT, str(folder), str(theirs), model_path,
+                      data_path, python=python) == "done"
+    want = dict(np.load(theirs / "record.npz"))
+    namespace: dict[str, Any] = {}
+    exec(compile(_CALLS, "<ported calls>", "exec"), namespace)  # noqa: S102 - the source the venv ran
+    import onnxtrain.training.api as api
+
+    sess = onnxruntime.InferenceSession(str(theirs / "inference.onnx"), providers=["CPUExecutionProvider"])
+    exported = sess.run(None, {"input-0": x})
+    for backend in BACKENDS:
+        out = tmp_path / backend
+        out.mkdir()
+        data = dict(np.load(data_path))
+        got = namespace["ported_calls"](api, str(folder), str(out), data, _options(backend))
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            if value.dtype.kind == "U":
+                assert np.asarray(got[key]).tolist() == value.tolist(), (backend, key)
+            else:
+                np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {key}")
+        ours = onnxruntime.InferenceSession(str(out / "inference.onnx"), providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(ours.run(None, {"input-0": x})[0], exported[0], rtol=1e-5, atol=1e-6)
