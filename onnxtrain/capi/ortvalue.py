@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 
@@ -50,6 +50,14 @@ class OrtDevice:
 
     def memory_type(self) -> int:
         return self._memory_type
+
+    def device_mem_type(self) -> int:
+        """The memory type (0, the default), under onnxruntime 1.2x's name."""
+        return self._memory_type
+
+    def device_vendor_id(self) -> int:
+        """The PCI vendor id onnxruntime gives the device: NVIDIA's for CUDA, 0 (none) for the CPU."""
+        return 0x10DE if self._type == self._TYPES["cuda"] else 0
 
 
 def _check_device(device_type: str | Any) -> None:
@@ -99,6 +107,22 @@ class OrtValue:
         _check_device(device_type)
         arr = np.asarray(numpy_obj)
         return OrtValue(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
+
+    @staticmethod
+    def ortvalue_from_numpy_with_onnx_type(data: np.ndarray, onnx_element_type: int) -> OrtValue:
+        """An OrtValue of ONNX element type ``onnx_element_type`` over the bytes of ``data`` (no copy for a
+        C-ordered array), whose items must have that type's width: bfloat16 or float8 values given as
+        uint16 or uint8 bits, as onnxruntime takes them; strings are refused, as there."""
+        array = np.asarray(data)
+        if onnx_element_type == TensorProto.STRING or array.dtype.kind in "OUS":
+            raise FailValueError(f"ortvalue_from_numpy_with_onnx_type: element type {onnx_element_type} of "
+                                 f"an array of {array.dtype}: strings cannot be reinterpreted")
+        dtype = _np_type(int(onnx_element_type))
+        if dtype.itemsize != array.dtype.itemsize:
+            raise FailValueError(f"ortvalue_from_numpy_with_onnx_type: items of {array.itemsize} bytes "
+                                 f"({array.dtype}) for ONNX element type {onnx_element_type} ({dtype}), of "
+                                 f"{dtype.itemsize}")
+        return OrtValue(np.ascontiguousarray(array).view(dtype))
 
     @staticmethod
     def ortvalue_from_shape_and_type(
