@@ -122,7 +122,8 @@ class OrtValue:
             raise FailValueError(f"ortvalue_from_numpy_with_onnx_type: items of {array.itemsize} bytes "
                                  f"({array.dtype}) for ONNX element type {onnx_element_type} ({dtype}), of "
                                  f"{dtype.itemsize}")
-        return OrtValue(np.ascontiguousarray(array).view(dtype))
+        # (np.ascontiguousarray would make a 0-d array [1])
+        return OrtValue((array if array.flags.c_contiguous else np.array(array, order="C")).view(dtype))
 
     @staticmethod
     def ortvalue_from_shape_and_type(
