@@ -73,15 +73,16 @@ def has_collective_ops() -> bool:
 
 
 def get_build_info() -> str:
-    """What this onnxtrain runs on: its version and those of numpy, onnx and protobuf."""
+    """What this onnxtrain runs on: its version and those of numpy, onnx and protobuf, after the words
+    "Build Info", as in onnxruntime's (``ORT Build Info: git-branch=...``)."""
     import numpy
     import onnx
     from google.protobuf import __version__ as protobuf_version
 
     import onnxtrain
 
-    return (f"onnxtrain {onnxtrain.__version__}, numpy {numpy.__version__}, onnx {onnx.__version__}, "
-            f"protobuf {protobuf_version}")
+    return (f"onnxtrain {onnxtrain.__version__} Build Info: numpy {numpy.__version__}, "
+            f"onnx {onnx.__version__}, protobuf {protobuf_version}")
 
 
 def get_mpi_context_world_rank() -> int:
