@@ -34,6 +34,7 @@ from onnx import helper
 from onnxtrain import GradientGraphBuilder
 from onnxtrain.ir.builder import make_model
 from onnxtrain.testing import run_engine, to_float64
+from tests.ortt import PREAMBLE, run_script
 from tests.tiers import extended
 
 torch = pytest.importorskip("torch")
@@ -286,6 +287,85 @@ def test_gru_gradients_over_directions_states_and_lengths(variant: str) -> None:
     sequence axis."""
     _check_recurrent("GRU", 5, 3, 4, 6, **GRU_VARIANTS[variant])
 
+
+
+_KERNELS_SCRIPT = PREAMBLE + r"""
+import numpy as np, onnxruntime as ort
+folder, count = sys.argv[1], int(sys.argv[2])
+for i in range(count):
+    s = ort.InferenceSession(f"{folder}/model{i}.onnx", providers=["CPUExecutionProvider"])
+    np.savez(f"{folder}/outputs{i}.npz", *s.run(None, dict(np.load(f"{folder}/feeds{i}.npz"))))
+print("null")
+"""
+
+
+def _training_kernels_model(op: str, steps: int, batch: int, n_in: int, hid: int,
+                            linear_before_reset: int) -> onnx.ModelProto:
+    """onnxruntime-training's forward and backward recurrent kernels (com.microsoft LSTMTraining + LSTMGrad,
+    or GRUTraining + GRUGrad), one direction, B and the initial states given, as in its tests; the inputs and
+    outputs carry the names of the standard node's gradient graph (X ... Y_grad; Y, Y_h, X_grad ...)."""
+    vi = helper.make_tensor_value_info
+    gates = 4 if op == "LSTM" else 3
+    state = [1, batch, hid]
+    inputs = [vi("X", T.FLOAT, [steps, batch, n_in]), vi("W", T.FLOAT, [1, gates * hid, n_in]),
+              vi("R", T.FLOAT, [1, gates * hid, hid]), vi("B", T.FLOAT, [1, 2 * gates * hid]),
+              vi("initial_h", T.FLOAT, state)]
+    ms = {"domain": "com.microsoft", "hidden_size": hid}
+    if op == "LSTM":  # (1.19.2's LSTMGrad reads no B: the gates' values come in IOFC)
+        inputs.append(vi("initial_c", T.FLOAT, state))
+        grads = ["Y_grad", "Y_h_grad", "Y_c_grad"]
+        states = ["initial_h", "initial_c"]
+        nodes = [helper.make_node("LSTMTraining", ["X", "W", "R", "B", "", *states],
+                                  ["Y", "Y_h", "Y_c", "c_all", "iofc"], **ms),
+                 helper.make_node("LSTMGrad", ["X", "W", "R", "", *states, "Y", "c_all", "iofc", *grads],
+                                  [f"{v}_grad" for v in ("X", "W", "R", "B", *states)], **ms)]
+    else:
+        ms["linear_before_reset"] = linear_before_reset
+        grads = ["Y_grad", "Y_h_grad"]
+        nodes = [helper.make_node("GRUTraining", ["X", "W", "R", "B", "", "initial_h"], ["Y", "Y_h", "zrh"],
+                                  **ms),
+                 helper.make_node("GRUGrad", ["X", "W", "R", "B", "", "initial_h", "Y", "zrh", *grads],
+                                  ["X_grad", "W_grad", "R_grad", "B_grad", "initial_h_grad"], **ms)]
+    inputs += [vi(g, T.FLOAT, [steps, 1, batch, hid] if g == "Y_grad" else state) for g in grads]
+    xs = [i.name for i in inputs if not i.name.endswith("_grad")]
+    outputs = [vi(n, T.FLOAT, None) for n in ([y[:-5] for y in grads] + [f"{x}_grad" for x in xs])]
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    graph = helper.make_graph(nodes, op, inputs, outputs)
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+TRAINING_KERNEL_CASES = [("LSTM", 2, 2, 2, 2, 0), ("LSTM", 16, 4, 32, 4, 0), ("LSTM", 32, 32, 32, 32, 0),
+                         ("GRU", 2, 32, 32, 32, 0), ("GRU", 16, 32, 32, 32, 1), ("GRU", 4, 3, 2, 5, 1)]
+
+
+@pytest.mark.slow
+def test_recurrent_gradients_match_onnxruntime_trainings_own_kernels(tmp_path: Any) -> None:
+    """orttraining_test_lstm.py / orttraining_test_gru.py's oracle the other way round: their LSTMGrad and
+    GRUGrad kernels (onnxruntime-training 1.19.2, CPU, fed the forward kernels' own intermediates) give the
+    gradients of the standard LSTM and GRU nodes' gradient graphs, at some of their shapes, float32."""
+    feeds, built = [], []
+    for i, (op, steps, batch, n_in, hid, lbr) in enumerate(TRAINING_KERNEL_CASES):
+        attrs = {"linear_before_reset": lbr} if op == "GRU" else {}
+        model = _recurrent_model(op, steps, batch, n_in, hid, "forward", bias=True, lens=False, h0=True,
+                                 c0=True, peep=False, **attrs)
+        ys = [o.name for o in model.graph.output]
+        built.append(_build(model, ys, [i.name for i in model.graph.input], ""))
+        theirs = _training_kernels_model(op, steps, batch, n_in, hid, lbr)
+        assert [v.name for v in theirs.graph.input] == [v.name for v in built[-1].graph.input]
+        onnx.save(theirs, tmp_path / f"model{i}.onnx")
+        rng = np.random.default_rng(i)
+        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in theirs.graph.input}
+        feeds.append({name: rng.random(shape).astype(np.float32) for name, shape in shapes.items()})
+        np.savez(tmp_path / f"feeds{i}.npz", **feeds[-1])
+    run_script(_KERNELS_SCRIPT, str(tmp_path), str(len(feeds)))
+    for i, case in enumerate(TRAINING_KERNEL_CASES):
+        got = _run(built[i], feeds[i])
+        theirs = np.load(tmp_path / f"outputs{i}.npz")
+        want = [theirs[f"arr_{k}"] for k in range(len(theirs.files))]
+        scale = max(np.abs(w).max() for w in want)
+        for name, value in zip([o.name for o in built[i].graph.output], want):
+            err = np.abs(got[name] - value).max()
+            assert err <= 1e-5 * scale, f"{case} {name}: {err:.3g} off onnxruntime-training's kernel"
 
 # ------------------------------------------------------------------------------- torch-exported models
 
