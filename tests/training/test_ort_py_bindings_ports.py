@@ -10,7 +10,8 @@ with inputs ``input-0`` and outputs ``output-0``, batches of 64, cross-entropy l
 weight (392,000 values) keeps its own array in the flat optimizer update while the other parameters share
 one buffer. Values are checked against torch (forward, loss, SGD and AdamW), onnxruntime 1.32 (the
 exported model, ``OrtValue``) and the spec's float32 scheduler formula; the steps run on the numpy engine
-and on the onnxruntime backend (session config entry ``onnxtrain.backend=onnxruntime``).
+and on the onnxruntime backend (session config entry ``onnxtrain.backend=onnxruntime``). The last test makes
+the same calls in onnxruntime-training 1.19.2 itself (its venv, tests/ortt.py) and compares every value.
 
 Shown by other tests, not repeated here: test_string_inputs (test_api_ports.py), the error messages of
 test_model_construction_with_nominal_checkpoint (test_api.py::test_nominal_checkpoint), the property
