@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         set_default_logger_severity,
         set_default_logger_verbosity,
     )
+    from onnxtrain.capi.sparse_tensor import OrtSparseFormat, SparseTensor
     from onnxtrain.inference import InferenceSession, ModelMetadata, NodeArg
     from onnxtrain.parameters import TrainingParameters
     from onnxtrain.session import TrainingSession
@@ -54,6 +55,7 @@ _LAZY = {
                      "get_device", "get_version_string"),
                     "onnxtrain.capi.options"),
     **dict.fromkeys(("IOBinding", "OrtDevice", "OrtValue"), "onnxtrain.capi.ortvalue"),
+    **dict.fromkeys(("OrtSparseFormat", "SparseTensor"), "onnxtrain.capi.sparse_tensor"),
     **dict.fromkeys(("OrtAllocatorType", "OrtArenaCfg", "OrtMemType", "OrtMemoryInfo",
                      "create_and_register_allocator"), "onnxtrain.capi.allocators"),
     **dict.fromkeys(("disable_telemetry_events", "enable_telemetry_events", "get_build_info",
@@ -95,10 +97,12 @@ __all__ = [
     "OrtDevice",
     "OrtMemType",
     "OrtMemoryInfo",
+    "OrtSparseFormat",
     "OrtValue",
     "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
+    "SparseTensor",
     "TrainingParameters",
     "TrainingSession",
     "create_and_register_allocator",

@@ -145,7 +145,25 @@ class OrtValue:
         ``Module.copy_buffer_to_parameters``, which refused the wrapper in onnxruntime-training 1.19)."""
         return self
 
+    @staticmethod
+    def ort_value_from_sparse_tensor(sparse_tensor: Any) -> OrtValue:
+        """An OrtValue holding ``sparse_tensor`` (a :class:`~onnxtrain.capi.sparse_tensor.SparseTensor`)."""
+        from onnxtrain.capi.sparse_tensor import SparseTensor
+
+        if not isinstance(sparse_tensor, SparseTensor):
+            raise TypeError(f"ort_value_from_sparse_tensor takes a SparseTensor, got "
+                            f"{type(sparse_tensor).__name__}")
+        return OrtValue(sparse_tensor)
+
+    def as_sparse_tensor(self) -> Any:
+        """The SparseTensor this value holds; a Fail for another value, as in onnxruntime."""
+        if not self.is_sparse_tensor():
+            raise Fail(f"OrtValue.as_sparse_tensor: the value is {self.data_type()}, not a sparse tensor")
+        return self._array
+
     def numpy(self) -> np.ndarray:
+        if self.is_sparse_tensor():  # (onnxruntime: no numpy array of a sparse tensor)
+            raise Fail("OrtValue.numpy: the value is a sparse tensor; read it with as_sparse_tensor()")
         return self._array
 
     def _tensor(self, what: str) -> np.ndarray:
@@ -154,12 +172,16 @@ class OrtValue:
         return self._array
 
     def shape(self) -> list[int]:
+        if self.is_sparse_tensor():  # its dense shape, as onnxruntime gives it
+            return self._array.dense_shape()
         return list(self._tensor("shape()").shape)
 
     def data_type(self) -> str:
         value = self._array
         if isinstance(value, np.ndarray):
             return f"tensor({_type_name(value.dtype)})"
+        if self.is_sparse_tensor():
+            return value.data_type()
         declared = self._declared or ""
         if declared.startswith("optional(") and value is not None:  # an optional holding a value: the value's
             declared = declared[len("optional("):-1]
@@ -183,6 +205,8 @@ class OrtValue:
             code = next((k for k, v in TENSOR_TYPE_STRINGS.items() if v == f"tensor({inner})"), None)
             if code is not None:
                 return int(code)
+        if self.is_sparse_tensor():
+            return self._array._element_type()
         return int(helper.np_dtype_to_tensor_dtype(self._tensor("element_type()").dtype))
 
     def proto_type(self) -> int:
@@ -208,7 +232,9 @@ class OrtValue:
         return isinstance(self._array, np.ndarray)
 
     def is_sparse_tensor(self) -> bool:
-        return False  # (onnxtrain has no sparse tensors)
+        from onnxtrain.capi.sparse_tensor import SparseTensor
+
+        return isinstance(self._array, SparseTensor)
 
     def is_tensor_sequence(self) -> bool:
         return isinstance(self._array, (list, tuple))
