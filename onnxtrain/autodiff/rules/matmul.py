@@ -25,7 +25,8 @@ def matmul_grad(g: GradCtx) -> None:
         _matrix_weight_grads(g)
         return
     if ra is None or rb is None:
-        raise RuleError("MatMul gradient needs the ranks of both inputs (shape inference found none)")
+        _any_rank_grads(g)
+        return
     dy = g.dy(0)
     if ra == 1 and rb == 1:  # dot product: Y is a scalar
         for i in (0, 1):
@@ -78,6 +79,59 @@ def _matrix_weight_grads(g: GradCtx) -> None:
         a2 = g.emit("Reshape", g.x(0), k)
         dy2 = g.emit("Reshape", g.dy(0), n)
         g.set_dx(1, g.emit("Gemm", a2, dy2, transA=1))
+
+
+def _any_rank_grads(g: GradCtx) -> None:
+    """MatMul gradients when shape inference knows the rank of one operand or neither (onnxruntime builds
+    them so): the ranks are read at run time. As MatMul reads them, a 1-D A is the row (1, K) and a 1-D B
+    the column (K, 1), each put back on dY; then dA = dY·Bᵀ and dB = Aᵀ·dY, summed over the batch axes the
+    operand was broadcast along, and reshaped to the operand's shape."""
+    sa, sb = g.shape(0), g.shape(1)
+    sa2 = g.emit("Concat", _unit_dims(g, sa), sa, axis=0)  # a 1-D A as (1, K)
+    sb2 = g.emit("Concat", sb, _unit_dims(g, sb), axis=0)  # a 1-D B as (K, 1)
+    a2 = g.emit("Reshape", g.x(0), sa2, allowzero=1)
+    b2 = g.emit("Reshape", g.x(1), sb2, allowzero=1)
+    # dY of the product of a2 and b2: dY's batch axes, then M (of a2) and N (of b2)
+    n_batch = g.emit("Sub", g.emit("Max", g.emit("Size", sa2), g.emit("Size", sb2)), g.int64(2))
+    batch = g.emit("Slice", g.emit("Shape", g.dy(0)), g.ints([0]), g.emit("Reshape", n_batch, g.ints([1])))
+    m = g.emit("Slice", sa2, g.ints([-2]), g.ints([-1]))
+    n = g.emit("Slice", sb2, g.ints([-1]), g.ints([2**62]))
+    sy2 = g.emit("Concat", batch, m, n, axis=0)
+    dy2 = g.emit("Reshape", g.dy(0), sy2, allowzero=1)
+    if g.needs_dx(0):
+        da = g.emit("MatMul", dy2, _swap_last2_any_rank(g, b2, sb2))
+        g.set_dx(0, g.emit("Reshape", _sum_to_shape(g, da, sa2), sa, allowzero=1))
+    if g.needs_dx(1):
+        db = g.emit("MatMul", _swap_last2_any_rank(g, a2, sa2), dy2)
+        g.set_dx(1, g.emit("Reshape", _sum_to_shape(g, db, sb2), sb, allowzero=1))
+
+
+def _unit_dims(g: GradCtx, shape: str) -> str:
+    """The 1s that make ``shape`` two long: [1, 1] for a scalar's, [1] for a vector's, none otherwise."""
+    short = g.emit("Max", g.emit("Sub", g.ints([2]), g.emit("Size", shape)), g.ints([0]))
+    return g.emit("ConstantOfShape", short, value=numpy_helper.from_array(np.ones(1, dtype=np.int64)))
+
+
+def _swap_last2_any_rank(g: GradCtx, x: str, shape: str) -> str:
+    """``x`` (of ``shape``, rank 2 or more, known at run time only) with its last two axes swapped: viewed as
+    (batch, R, C), transposed, viewed back."""
+    end = g.ints([2**62])
+    batch = g.emit("ReduceProd", g.emit("Slice", shape, g.ints([0]), g.ints([-2])), keepdims=1)
+    rows, cols = g.emit("Slice", shape, g.ints([-2]), g.ints([-1])), g.emit("Slice", shape, g.ints([-1]), end)
+    flat = g.emit("Reshape", x, g.emit("Concat", batch, rows, cols, axis=0), allowzero=1)
+    back = g.emit("Concat", g.emit("Slice", shape, g.ints([0]), g.ints([-2])), cols, rows, axis=0)
+    return g.emit("Reshape", g.emit("Transpose", flat, perm=[0, 2, 1]), back, allowzero=1)
+
+
+def _sum_to_shape(g: GradCtx, grad: str, shape: str) -> str:
+    """``grad`` summed over the axes along which a value of ``shape`` (no longer than grad's) was broadcast
+    to grad's shape, keeping them: ``shape`` left-padded with 1s, the axes where it differs from grad's."""
+    sg = g.emit("Shape", grad)
+    n_pad = g.emit("Reshape", g.emit("Sub", g.emit("Size", sg), g.emit("Size", shape)), g.ints([1]))
+    pad = g.emit("ConstantOfShape", n_pad, value=numpy_helper.from_array(np.ones(1, dtype=np.int64)))
+    differ = g.emit("Not", g.emit("Equal", g.emit("Concat", pad, shape, axis=0), sg))
+    axes = g.emit("Reshape", g.emit("NonZero", differ), g.ints([-1]))
+    return g.emit("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
 
 
 def _weight_grad_as_gemm(g: GradCtx) -> bool:
