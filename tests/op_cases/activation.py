@@ -121,3 +121,13 @@ CASES += [
     OpCase("Shrink", make_inputs=_g_off_kinks((2, 1, 5), (-1.0, 1.0)), attrs={"lambd": 1.0, "bias": 0.3},
            variant="grad_3d"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    OpCase("Clip", make_inputs=_clip_inputs(-0.7, 1.2, (2, 2, 2)), opset=12, wrt=(0,),
+           variant="grad_ort_v12"),
+    OpCase("Clip", make_inputs=_clip_inputs(0.3, None, (2, 2, 2)), opset=12, wrt=(0,),
+           variant="grad_ort_v12_min_only"),
+]

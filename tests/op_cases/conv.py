@@ -155,3 +155,20 @@ CASES += [
            wrt=(0,), opset=18, variant="1d"),
     OpCase("Col2Im", make_inputs=_col2im(1, 2, (3, 4, 3), (2, 2, 2), 12), wrt=(0,), opset=18, variant="3d"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    # a 1x1 kernel with pads: the border of Y is the bias alone
+    OpCase("Conv", [(1, 1, 1, 1), (1, 1, 1, 1), (1,)], {"kernel_shape": [1, 1], "pads": [1, 1, 1, 1]},
+           variant="grad_ort_pointwise_pads"),
+    OpCase("Conv", [(2, 1, 5), (1, 1, 1), (1,)], {"kernel_shape": [1], "pads": [1, 1]},
+           variant="grad_ort_1d_pointwise_pads"),
+    OpCase("Conv", [(2, 1, 5, 5), (1, 1, 3, 3), (1,)], {"dilations": [2, 2]},
+           variant="grad_ort_dilated_1x1_out"),
+    OpCase("Conv", [(2, 1, 7, 5), (1, 1, 3, 3), (1,)], {"dilations": [2, 2], "pads": [1, 1, 1, 1]},
+           variant="grad_ort_dilated_pads"),
+    OpCase("Conv", [(2, 1, 7, 5, 5), (1, 1, 3, 3, 3), (1,)], {"strides": [2, 2, 2], "pads": [1] * 6},
+           variant="grad_ort_3d_strided"),
+]

@@ -301,3 +301,18 @@ CASES += [
     OpCase("Acosh", [(2, 1, 5)], low=1.2, high=3.0, variant="grad_3d"),
     OpCase("Atanh", [(2, 1, 5)], low=-0.9, high=0.9, variant="grad_3d"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    OpCase("Add", [(2, 1, 1, 5), (1, 3, 4, 1)], opset=11, variant="grad_ort_bcast_both_v11"),
+    OpCase("Sub", [(2, 3, 4, 5), ()], variant="grad_ort_rhs_scalar"),
+    OpCase("Mul", [(1, 4, 5), (2, 3, 1, 1)], opset=11, variant="grad_ort_bcast_cross_v11"),
+    OpCase("Mul", [(4, 5), (2, 3, 4, 5)], variant="grad_ort_lhs_low_rank"),
+    OpCase("Div", make_inputs=_g_binary((3, 4, 5), (2, 1, 1, 1)), variant="grad_ort_bcast_lead_ones"),
+    OpCase("Div", make_inputs=_g_binary((), (2, 3, 4, 5)), variant="grad_ort_scalar_numerator"),
+    # a constant exponent of shape [1] (square and cube) over bases of either sign
+    OpCase("Pow", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (2, 3, 4)).astype(dt), np.array([3.0], dt)],
+           wrt=(0,), variant="grad_ort_cube_any_sign"),
+]

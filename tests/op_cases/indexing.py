@@ -531,3 +531,16 @@ CASES += [
         variant="grad_axis2",
     ),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    OpCase("GatherND", make_inputs=_x(2, 2, 3)(_i64([[[1], [0]], [[2], [1]]])), attrs={"batch_dims": 2},
+           wrt=(0,), opset=12, variant="grad_ort_batch_dims2"),
+    OpCase("GatherND", make_inputs=_x(2, 2)(_i64([[1, 1], [1, 1]])), wrt=(0,), opset=12,
+           variant="grad_ort_same_pair_twice"),
+    OpCase("TopK", make_inputs=lambda rng, dt: [rng.permutation(8).reshape(2, 2, 2).astype(dt), _i64([1])],
+           attrs={"axis": -2}, n_outputs=2, wrt=(0,), grad_outputs=(0,), opset=11,
+           variant="grad_ort_v11_neg_axis"),
+]

@@ -219,3 +219,16 @@ CASES += [
         ort_skip="onnxruntime draws its own dropout mask",
     ),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    # SoftmaxCrossEntropyLoss-12 (upgraded first): two classes, a class ignored, per-element losses
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((2, 2, 3, 2), weight=True, ignore=0),
+           attrs={"reduction": "none", "ignore_index": 0}, opset=12, wrt=(0,),
+           variant="grad_ort_v12_none_ii0"),
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((5, 2), ignore=-1),
+           attrs={"reduction": "sum", "ignore_index": -1}, opset=12, wrt=(0,),
+           variant="grad_ort_v12_sum_ii_neg"),
+]

@@ -65,3 +65,13 @@ CASES += [
     OpCase("Det", [(3, 1, 1)], variant="grad_1x1"),
     OpCase("Det", [(2, 5, 5)], variant="grad_batch_5x5"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    OpCase("MatMul", [(2, 3, 4, 5), (2, 3, 5, 4)], opset=11, variant="grad_ort_rank4_same_v11"),
+    OpCase("Gemm", [(1, 4), (4, 3), (3,)], opset=11, variant="grad_ort_one_row_v11"),
+    OpCase("Gemm", [(2, 4), (4, 3), (2, 3)], attrs={"alpha": 0.7, "beta": 5.0},
+           variant="grad_ort_alpha_beta_full_c"),
+]

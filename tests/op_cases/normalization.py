@@ -109,3 +109,16 @@ CASES += [
            variant="wide_window"),
     OpCase("LRN", [(2, 2, 3, 3)], attrs={"size": 1, "alpha": 0.8}, opset=13, variant="size1"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    # one sample: the batch statistics are over the spatial positions only
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((1, 4, 2)), attrs={"training_mode": 1}, n_outputs=3,
+           wrt=(0, 1, 2), grad_outputs=(0,), opset=15, variant="grad_ort_training_one_sample"),
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((3, 1, 2, 4)), attrs={"training_mode": 1},
+           n_outputs=3, wrt=(0, 1, 2), grad_outputs=(0,), opset=15, variant="grad_ort_training_one_channel"),
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((3, 2, 1, 3, 2, 2)), attrs={"training_mode": 1},
+           n_outputs=3, wrt=(0, 1, 2), grad_outputs=(0,), opset=15, variant="grad_ort_training_6d"),
+]

@@ -159,3 +159,26 @@ CASES += [
     ),
     OpCase("GlobalMaxPool", make_inputs=_distinct(2, 3, 4, 5), variant="grad_distinct"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+_UNIT_STRIDE_INDICES = ("onnx.reference's MaxPool Indices leave out the batch and channel offset when "
+                        "the strides are 1 (onnxruntime's agree with ours)")
+CASES += [
+    OpCase("MaxPool", make_inputs=_distinct(2, 3, 5, 5), attrs={"kernel_shape": [2, 2], "strides": [1, 1]},
+           variant="grad_ort_stride1", ref_skip=_UNIT_STRIDE_INDICES),
+    # pads of 2 around a 3-wide window: the corner windows hold one element of X
+    OpCase("MaxPool", make_inputs=_distinct(1, 2, 5, 5), attrs={"kernel_shape": [3, 3], "pads": [2, 2, 2, 2]},
+           variant="grad_ort_pads2", ref_skip=_UNIT_STRIDE_INDICES),
+    OpCase("MaxPool", make_inputs=_distinct(2, 1, 3, 3, 3), attrs={"kernel_shape": [2, 2, 2]},
+           variant="grad_ort_3d_stride1", ref_skip=_UNIT_STRIDE_INDICES),
+    OpCase("AveragePool", [(1, 3, 7, 8)], {"kernel_shape": [3, 2], "strides": [3, 2], "pads": [1, 0, 1, 0],
+                                           "count_include_pad": 1},
+           variant="grad_ort_include_pad_asym_kernel"),
+    OpCase("AveragePool", [(1, 2, 8, 8, 8)], {"kernel_shape": [3, 3, 3], "strides": [3, 3, 3],
+                                              "pads": [1, 1, 1, 0, 0, 0]}, variant="grad_ort_3d_begin_pads"),
+    OpCase("AveragePool", [(1, 2, 7, 7, 7)], {"kernel_shape": [3, 3, 3], "strides": [3, 3, 3],
+                                              "pads": [1, 1, 1, 1, 1, 1], "count_include_pad": 1},
+           variant="grad_ort_3d_include_pad"),
+]

@@ -100,3 +100,15 @@ CASES += [
            variant="grad_zeros_noop"),
 ]
 
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    # rows of zeros: the norm is not differentiable there; its central differences are 0, as the rule gives
+    OpCase("ReduceL2", make_inputs=lambda rng, dt: [np.array([[1, 1], [0, 0], [3, 0], [0, 0]], dt)],
+           attrs={"axes": [-1]}, opset=11, variant="grad_ort_zero_rows"),
+    OpCase("ReduceLogSumExp", [(4, 3, 2)], attrs={"axes": [-2, -1], "keepdims": 0}, opset=11,
+           variant="grad_ort_v11_neg_axes"),
+    OpCase("ReduceMean", [(4, 3, 2)], attrs={"axes": [0, 1, 2], "keepdims": 0}, opset=11,
+           variant="grad_ort_v11_all_listed"),
+]

@@ -316,3 +316,21 @@ CASES += [
     OpCase("CenterCropPad", make_inputs=_x(3, 4, 2)(_i64(6, 1)), attrs={"axes": [2, 0]}, wrt=(0,),
            opset=18, variant="axes_unordered"),
 ]
+
+
+# onnxruntime's gradient checks (orttraining/test/gradient/gradient_ops_test.cc): the shapes and attributes
+# of theirs that the rows above did not have
+CASES += [
+    OpCase("Flatten", [(2, 3, 4)], attrs={"axis": 3}, opset=11, variant="grad_ort_axis_rank"),
+    OpCase("Flatten", [(2, 3, 4)], attrs={"axis": -3}, opset=11, variant="grad_ort_neg_rank"),
+    OpCase("Concat", [(2,), (2,), (2,)], attrs={"axis": 0}, variant="grad_ort_1d"),
+    OpCase("Split", [(9, 5)], attrs={"axis": 0}, n_outputs=3, opset=11, variant="grad_ort_v11_equal"),
+    OpCase("Squeeze", [(1, 2, 1, 3, 1)], attrs={"axes": [0, 2, 4]}, opset=11, variant="grad_ort_v11_axes"),
+    OpCase("Unsqueeze", [(2, 3)], attrs={"axes": [0, 2, 4]}, opset=11, variant="grad_ort_v11_axes"),
+    # Slice-10, the first taking its bounds as inputs: axes and steps given, the end past the size
+    OpCase("Slice", make_inputs=_x(2, 4, 2)(_i64(1, 0), _i64(2, 9), _i64(0, 1), _i64(1, 2)), wrt=(0,),
+           opset=10, variant="grad_ort_v10_steps"),
+    OpCase("Tile", make_inputs=_x(2, 2, 3)(_i64(1, 1, 1)), wrt=(0,), opset=11, variant="grad_ort_ones"),
+    OpCase("Expand", make_inputs=_x(2, 3, 1)(_i64(1, 1)), wrt=(0,), opset=11,
+           variant="grad_ort_shorter_shape"),
+]
