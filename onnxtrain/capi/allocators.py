@@ -31,6 +31,26 @@ class OrtMemType(enum.IntEnum):
     DEFAULT = 0
 
 
+class OrtDeviceMemoryType(enum.IntEnum):
+    """onnxruntime's kinds of device memory, with its values."""
+
+    DEFAULT = 0
+    HOST_ACCESSIBLE = 5
+
+
+class OrtMemoryInfoDeviceType(enum.IntEnum):
+    """onnxruntime's device kinds for ``OrtMemoryInfo.create_v2``, with its values."""
+
+    CPU = 0
+    GPU = 1
+    FPGA = 2
+    NPU = 3
+
+
+# the PCI vendor id onnxruntime gives the memory of a device it names so
+_VENDOR_IDS = {"cuda": 0x10DE, "cudapinned": 0x10DE}
+
+
 def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
@@ -51,6 +71,26 @@ class OrtMemoryInfo:
         self.allocator_type = alloc_type
         self.device_id = _int(device_id, "OrtMemoryInfo: device_id")
         self.mem_type = mem_type
+        self.device_mem_type = OrtDeviceMemoryType.DEFAULT
+        self.device_vendor_id = _VENDOR_IDS.get(name.lower(), 0)
+
+    @staticmethod
+    def create_v2(name: str, device_type: OrtMemoryInfoDeviceType, vendor_id: int, device_id: int,
+                  device_mem_type: OrtDeviceMemoryType, alignment: int,
+                  allocator_type: OrtAllocatorType) -> OrtMemoryInfo:
+        """A memory info from a device kind, vendor id and memory kind (onnxruntime's ``create_v2``;
+        ``alignment`` is checked, not kept)."""
+        if not isinstance(device_type, OrtMemoryInfoDeviceType):
+            raise TypeError(f"OrtMemoryInfo.create_v2: device_type must be an OrtMemoryInfoDeviceType, got "
+                            f"{device_type!r}")
+        if not isinstance(device_mem_type, OrtDeviceMemoryType):
+            raise TypeError(f"OrtMemoryInfo.create_v2: device_mem_type must be an OrtDeviceMemoryType, got "
+                            f"{device_mem_type!r}")
+        _int(alignment, "OrtMemoryInfo.create_v2: alignment")
+        info = OrtMemoryInfo(name, allocator_type, device_id, OrtMemType.DEFAULT)
+        info.device_mem_type = device_mem_type
+        info.device_vendor_id = _int(vendor_id, "OrtMemoryInfo.create_v2: vendor_id")
+        return info
 
     def __repr__(self) -> str:
         return (f"OrtMemoryInfo({self.name!r}, {self.allocator_type.name}, {self.device_id}, "
@@ -99,4 +139,5 @@ def create_and_register_allocator(mem_info: OrtMemoryInfo, arena_cfg: OrtArenaCf
         raise ValueError(f"create_and_register_allocator: only CPU allocators, got {mem_info.name!r}")
 
 
-__all__ = ["OrtAllocatorType", "OrtArenaCfg", "OrtMemType", "OrtMemoryInfo", "create_and_register_allocator"]
+__all__ = ["OrtAllocatorType", "OrtArenaCfg", "OrtDeviceMemoryType", "OrtMemType", "OrtMemoryInfo",
+           "OrtMemoryInfoDeviceType", "create_and_register_allocator"]
