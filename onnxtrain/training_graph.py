@@ -885,7 +885,15 @@ def build_update_graph(
     specs = _emit_update(
         w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input, mp=mp
     )
-    return _finish(nodes, base, inputs, outputs, "update_graph"), upd, extras, specs
+    model = _finish(nodes, base, inputs, outputs, "update_graph")
+    # every input of an update is fed: a weight its base holds as an initializer (a horizontal split's
+    # share) is not held as one too (onnxruntime warned of each such name)
+    fed = {i.name for i in model.graph.input}
+    kept = [t for t in model.graph.initializer if t.name not in fed]
+    if len(kept) < len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    return model, upd, extras, specs
 
 
 def _elem(types: dict[str, onnx.ValueInfoProto], name: str) -> int:

@@ -29,7 +29,7 @@ from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
 from onnxtrain.ir.builder import NameGen, value_types
-from onnxtrain.ir.graphs import node_reads, train_batch_norms
+from onnxtrain.ir.graphs import drop_unread, node_reads, train_batch_norms
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parallel.pipeline import Partition
 from onnxtrain.parameters import TrainingParameters
@@ -176,6 +176,12 @@ def build_stage_graphs(
         full = _recomputed(grad, loss, params, model, layers)
         graphs["backward"], initial = _with_weights_as_inputs(full, held)
         saved = []
+    for graph in graphs.values():
+        # what the split left unread in a part (the stand-in loss above, constants of nodes in another part):
+        # onnxruntime warned of each on every rank
+        g = graph.graph
+        drop_unread(g, {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant"
+                                                           for o in n.output})
     sg = StageGraphs(
         stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial, stats
     )
