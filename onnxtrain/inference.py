@@ -17,7 +17,13 @@ import onnx
 
 from onnxtrain.capi.feeds import check_onnxruntime_feed, feed_array, map_feed
 from onnxtrain.capi.node_args import inferred_output_types
-from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
+from onnxtrain.capi.options import (
+    ExecutionMode,
+    GraphOptimizationLevel,
+    RunOptions,
+    SessionOptions,
+    resolve_providers,
+)
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
@@ -42,6 +48,7 @@ from onnxtrain.engine.interface import (
 from onnxtrain.errors import (
     Fail,
     FailValueError,
+    InvalidArgument,
     InvalidFeed,
     InvalidFeedType,
     NoneFed,
@@ -158,6 +165,11 @@ class FeedChecker:
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
+        # required inputs missing are refused before the names fed are checked, as onnxruntime's Python
+        # layer checks them first (a misspelt name is then reported as the input it misses)
+        missing = [n for n in (self.required if required is None else required) if n not in feeds]
+        if missing:
+            raise missing_inputs(missing, feeds, self.required)
         out: dict[str, np.ndarray] = {}
         for name, v in feeds.items():
             if name not in self.allowed:
@@ -178,15 +190,21 @@ class FeedChecker:
                     raise InvalidFeedType(f"Iterable of {type(v[0]) if v else object} should be given as "
                                           f"array for input {name!r}: feed a sequence as a list, not a tuple")
                 out[name] = _container_feed(name, kind, v, self.elements.get(name))
-        missing = [n for n in (self.required if required is None else required) if n not in out]
-        if missing:
-            raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out
+
+
+def missing_inputs(missing: Sequence[str], feeds: Mapping[str, Any], inputs: Sequence[str]) -> InvalidFeed:
+    """The error for a feed that lacks the required inputs ``missing``, in onnxruntime's words (which name the
+    inputs fed), and the model's ``inputs``."""
+    return InvalidFeed(f"Required inputs ({list(missing)}) are missing from input feed ({list(feeds)}): "
+                       f"missing input(s) {list(missing)}; the model's inputs are {list(inputs)}")
 
 
 def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) -> np.ndarray:
     """The array fed to tensor input ``name`` of ``dtype`` and ``shape`` (either None when not declared):
     :func:`feed_array`; another dtype or rank is refused."""
+    if isinstance(v, OrtValue) and v.is_sparse_tensor():  # (onnxruntime's InvalidArgument)
+        raise InvalidFeedType(f"input {name!r}: a sparse tensor was fed to a dense tensor input")
     a = feed_array(name, v.numpy() if isinstance(v, OrtValue) else v, dtype)
     if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
         a = _as_strings(a)
@@ -315,6 +333,8 @@ class InferenceSession:
             self._enable_fallback = False  # (once, as onnxruntime)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
+        if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":  # (onnxruntime's switch)
+            self._sess_options = options_from_model(self._sess_options, model)
         model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
         self._same_size = same_size_dims(model)
         loaded = time.perf_counter_ns()
@@ -411,7 +431,7 @@ class InferenceSession:
 
         missing = [n for n in self._check.required if n not in input_feed]
         if missing:
-            raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self._check.required}")
+            raise missing_inputs(missing, input_feed, self._check.required)
 
         def work() -> None:
             try:
@@ -519,6 +539,19 @@ class InferenceSession:
     def get_overridable_initializers(self) -> list[NodeArg]:
         return list(self._overridable)
 
+    def get_input_memory_infos(self) -> list[Any]:
+        """Where each input's memory lives, as onnxruntime's CPU provider reports it (its "Cpu" arena)."""
+        return [_cpu_memory_info() for _ in self._inputs]
+
+    def get_output_memory_infos(self) -> list[Any]:
+        """Where each output's memory lives: the CPU, as for the inputs."""
+        return [_cpu_memory_info() for _ in self._output_names]
+
+    def get_input_epdevices(self) -> list[None]:
+        """The execution-provider device of each input: None (no plug-in provider device), one per input
+        as onnxruntime lists them."""
+        return [None] * len(self._inputs)
+
     def get_modelmeta(self) -> ModelMetadata:
         return metadata_of(self._model)
 
@@ -581,6 +614,13 @@ class InferenceSession:
         returns its path ('' when not profiling, or profiling has ended)."""
         paths = [plan for _, plan in self._path_plans.values() if plan not in (None, self._plan)]
         return end_profiling(self, [self._plan, *paths])
+
+
+def _cpu_memory_info() -> Any:
+    """The memory info onnxruntime gives a CPU session's inputs and outputs."""
+    from onnxtrain.capi.allocators import OrtAllocatorType, OrtMemoryInfo, OrtMemType
+
+    return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
 
 
 def end_profiling(session: Any, plans: Sequence[GraphInterface]) -> str:
@@ -677,7 +717,9 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
         for e in profile
     ]
     try:
-        write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
+        # one event a line, as onnxruntime writes its traces (tools that read them line by line)
+        text = "[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n"
+        write_atomic(path, lambda f: f.write(text.encode()))
     except BaseException:
         with contextlib.suppress(OSError):  # the empty file that claimed the name
             os.remove(path)
@@ -704,6 +746,45 @@ def options_snapshot(options: Any) -> Any:
     return options.snapshot()
 
 
+_LEVELS = {int(level) for level in GraphOptimizationLevel}
+# the session options a model's "ort_config" metadata may set, as onnxruntime reads them: name → the values
+# taken and how they are stored
+_MODEL_OPTIONS: dict[str, Callable[[int], Any]] = {
+    "intra_op_num_threads": lambda v: v if v >= 0 else None,
+    "inter_op_num_threads": lambda v: v if v >= 0 else None,
+    "execution_mode": lambda v: ExecutionMode(v) if v in (0, 1) else None,
+    "graph_optimization_level": lambda v: GraphOptimizationLevel(v) if v in _LEVELS else None,
+    "enable_profiling": lambda v: bool(v) if v in (0, 1) else None,
+}
+
+
+def options_from_model(options: Any, model: onnx.ModelProto) -> Any:
+    """``options`` with the session options the model's metadata entry ``ort_config`` sets (JSON:
+    ``{"session_options": {"intra_op_num_threads": 2, ...}}``), as onnxruntime applies them when the
+    environment variable ORT_LOAD_CONFIG_FROM_MODEL is 1: the thread counts, ``execution_mode``,
+    ``graph_optimization_level`` and ``enable_profiling``, other keys ignored; a value of another kind, or
+    JSON that does not parse, is an InvalidArgument naming the entry. Another library's options are
+    returned as they are."""
+    text = next((p.value for p in model.metadata_props if p.key == "ort_config"), None)
+    if text is None or not isinstance(options, SessionOptions):
+        return options
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"the model's metadata entry ort_config is not JSON: {e}") from None
+    given = config.get("session_options", {}) if isinstance(config, dict) else {}
+    for key, value in (given.items() if isinstance(given, dict) else ()):
+        convert = _MODEL_OPTIONS.get(key)
+        if convert is None:
+            continue  # (onnxruntime ignores the session options it does not read from a model)
+        taken = convert(value) if isinstance(value, int) and not isinstance(value, bool) else None
+        if taken is None:
+            raise InvalidArgument(f"the model's metadata entry ort_config sets session_options.{key} to "
+                                  f"{value!r}, which onnxruntime does not take for it")
+        setattr(options, key, taken)
+    return options
+
+
 def check_severity(level: Any, owner: str) -> None:
     """Refuse a ``log_severity_level`` onnxruntime refuses: −1 (the default logger's) and 0..4 are valid."""
     if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:
@@ -718,7 +799,8 @@ def load_with_options(path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto
     the initializers and free dimensions the options override (:func:`with_option_overrides`)."""
     folder = _config(options).get("session.model_external_initializers_file_folder_path")
     supplied = getattr(options, "_initializers", {})
-    return with_option_overrides(load_model(path_or_bytes, folder, supplied), options)
+    in_memory = getattr(options, "_files_in_memory", None)
+    return with_option_overrides(load_model(path_or_bytes, folder, supplied, in_memory), options)
 
 
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:

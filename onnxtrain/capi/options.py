@@ -174,6 +174,7 @@ class SessionOptions(_Fields):
         self._initializers: dict[str, Any] = {}  # name → the array to use for that initializer
         self._external: set[str] = set()  # those given by add_external_initializers: the model must hold them
         self._dims: dict[tuple[str, str], int] = {}  # ("name" | "denotation", symbol) → its size
+        self._files_in_memory: dict[str, bytes] = {}  # an external data file's location → its bytes
         self._fix_fields()
 
     def snapshot(self) -> SessionOptions:
@@ -183,6 +184,7 @@ class SessionOptions(_Fields):
         out._config, out._initializers = dict(self._config), dict(self._initializers)
         out._external = set(self._external)
         out._dims = dict(self._dims)
+        out._files_in_memory = dict(self._files_in_memory)
         return out
 
     def add_session_config_entry(self, key: str, value: str) -> None:
@@ -200,6 +202,22 @@ class SessionOptions(_Fields):
         for name, value in zip(names, values):
             self.add_initializer(name, value)
             self._external.add(str(name))
+
+    def add_external_initializers_from_files_in_memory(
+        self, file_names: Sequence[str], buffers: Sequence[Any], lengths: Sequence[int]
+    ) -> None:
+        """Give the contents of external data files by name: a tensor whose data location is one of
+        ``file_names`` is read from the first ``lengths[k]`` bytes of ``buffers[k]`` (bytes or an array) in
+        place of that file."""
+        if not len(file_names) == len(buffers) == len(lengths):
+            raise FailValueError(f"add_external_initializers_from_files_in_memory: {len(file_names)} file "
+                                 f"names, {len(buffers)} buffers and {len(lengths)} lengths")
+        for name, buffer, length in zip(file_names, buffers, lengths):
+            data = memoryview(buffer).cast("B").tobytes()
+            if not 0 <= int(length) <= len(data):
+                raise FailValueError(f"add_external_initializers_from_files_in_memory: file {name!r}: length "
+                                     f"{length} of a buffer of {len(data)} bytes")
+            self._files_in_memory[os.path.normpath(str(name))] = data[:int(length)]
 
     def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
         """Fix the symbolic dimension ``dim_name`` of the model's inputs to ``dim_value``."""
@@ -318,7 +336,8 @@ def resolve_providers(
     for k, p in enumerate(providers):
         name, o = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, dict(given[k]) if given else {})
         if name not in KNOWN_PROVIDERS:
-            raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(_CPU_FIRST)}")
+            # (onnxruntime's words first)
+            raise ValueError(f"Unknown Provider Type: {name}; valid names: {', '.join(_CPU_FIRST)}")
         if name not in AVAILABLE_PROVIDERS:
             warn(f"{name} is not available here; falling back to CPUExecutionProvider")
             continue

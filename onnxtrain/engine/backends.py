@@ -126,7 +126,7 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
     known = ort.get_all_providers()
     unknown = [name for name, _ in items if name not in known]
     if unknown:  # as on the numpy engine, and as onnxruntime refuses it
-        raise ValueError(f"unknown provider {unknown[0]!r}; valid names: {', '.join(known)}")
+        raise ValueError(f"Unknown Provider Type: {unknown[0]}; valid names: {', '.join(known)}")
     if not items:
         items = [("CUDAExecutionProvider", {})] if "CUDAExecutionProvider" in available else []
     names: list[str] = []

@@ -109,7 +109,8 @@ class Terminated(EngineError):
 
 
 def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
-               external_dir: str | None = None, supplied: Collection[str] = ()) -> onnx.ModelProto:
+               external_dir: str | None = None, supplied: Collection[str] = (),
+               in_memory: Mapping[str, bytes] | None = None) -> onnx.ModelProto:
     """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
     file. Tensors kept in external files are read from ``external_dir`` when given (onnxruntime's
@@ -118,8 +119,9 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     or, for a model file, into the folder of the file the model's own path resolves to (a Hugging Face
     cache: both are links into its blobs), as onnxruntime 1.32 requires. Initializers named in
     ``supplied`` are not read (their values come from elsewhere:
-    ``SessionOptions.add_external_initializers``)."""
-    m = _text_names(_loaded(model, external_dir, supplied))
+    ``SessionOptions.add_external_initializers``). ``in_memory``: the bytes of data files by their location
+    (``SessionOptions.add_external_initializers_from_files_in_memory``), read in place of those files."""
+    m = _text_names(_loaded(model, external_dir, supplied, in_memory))
     path = model if isinstance(model, (str, os.PathLike)) else None
     if not isinstance(model, onnx.ModelProto):
         check_model_structure(m, path)
@@ -221,12 +223,12 @@ def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 
 
 def _read_external(model: onnx.ModelProto, folder: str, what: str, supplied: Collection[str] = (),
-                   roots: Sequence[str] = ()) -> None:
+                   roots: Sequence[str] = (), in_memory: Mapping[str, bytes] | None = None) -> None:
     """Read the external tensors of ``model`` from ``folder`` into the model (in place), but for the graph's
     initializers named in ``supplied``. A location must be relative and stay in the folder ("..",
     absolute: refused), and the file it names, its symbolic links resolved, must lie under one of the real
     folders ``roots`` (default: the folder's own); each span is checked against the file's size before it
-    is read."""
+    is read. A location named in ``in_memory`` is read from those bytes instead of a file."""
     for t in model.graph.initializer:
         if t.name in supplied and t.data_location == onnx.TensorProto.EXTERNAL:  # no data until replaced
             t.data_location = onnx.TensorProto.DEFAULT
@@ -234,8 +236,12 @@ def _read_external(model: onnx.ModelProto, folder: str, what: str, supplied: Col
     allowed = list(roots) or [os.path.realpath(folder)]
     for t in _external_tensors(model):
         location, offset, length = _external_entries(t, what)
-        path = _data_path(t, location, folder, allowed, what)
-        t.raw_data = _read_span(t, path, offset, length, what)
+        held = in_memory.get(os.path.normpath(location)) if in_memory else None
+        if held is not None:
+            t.raw_data = _memory_span(t, location, held, offset, length, what)
+        else:
+            path = _data_path(t, location, folder, allowed, what)
+            t.raw_data = _read_span(t, path, offset, length, what)
         t.data_location = onnx.TensorProto.DEFAULT
         del t.external_data[:]
 
@@ -323,6 +329,20 @@ def _read_span(t: onnx.TensorProto, path: str, offset: int, length: int | None, 
         raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
                               f"{offset}, the file holds {len(data)} there")
     return data
+
+
+def _memory_span(t: onnx.TensorProto, location: str, data: bytes, offset: int, length: int | None,
+                 what: str) -> bytes:
+    """The bytes of ``t``'s data in the in-memory file ``location`` (``data``) from ``offset``, as
+    :func:`_read_span` reads a file's."""
+    wanted = _external_size(t, length, what)
+    if wanted is None:
+        wanted = max(len(data) - offset, 0)
+    if offset + wanted > len(data):
+        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from the in-memory file "
+                              f"{location!r} at offset {offset}, which holds {max(len(data) - offset, 0)} "
+                              "there")
+    return bytes(data[offset:offset + wanted])
 
 
 # elements a byte holds, of the types packed below a byte
@@ -448,7 +468,7 @@ def _with_attribute_defaults(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: str | None,
-            supplied: Collection[str] = ()) -> onnx.ModelProto:
+            supplied: Collection[str] = (), in_memory: Mapping[str, bytes] | None = None) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
@@ -464,7 +484,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
         if _external_tensors(m):  # from the working directory, as onnxruntime, or the folder given
             where = "the model bytes (give the data's folder as the session config entry " \
                     "session.model_external_initializers_file_folder_path)"
-            _read_external(m, external_dir or os.getcwd(), where, supplied)
+            _read_external(m, external_dir or os.getcwd(), where, supplied, in_memory=in_memory)
         return m
     path = os.fspath(model)
     if not os.path.exists(path):
@@ -481,7 +501,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
         # path resolves to (a Hugging Face cache), as onnxruntime 1.32 requires
         folder = external_dir or os.path.dirname(os.path.abspath(path))
         roots = [] if external_dir else [os.path.realpath(folder), os.path.dirname(os.path.realpath(path))]
-        _read_external(m, folder, f"model file {path}", supplied, roots)
+        _read_external(m, folder, f"model file {path}", supplied, roots, in_memory)
     return m
 
 
