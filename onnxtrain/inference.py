@@ -124,6 +124,30 @@ def _typed(v: onnx.ValueInfoProto, tp: onnx.TypeProto | None) -> onnx.ValueInfoP
     return out
 
 
+@dataclass(frozen=True)
+class EpAssignedNode:
+    """A node an execution provider runs: its domain, op and name."""
+
+    domain: str
+    op_type: str
+    name: str
+
+
+@dataclass(frozen=True)
+class EpAssignedSubgraph:
+    """Nodes one execution provider runs together (``ep_name``; ``get_nodes()``)."""
+
+    ep_name: str
+    nodes: tuple[EpAssignedNode, ...]
+
+    def get_nodes(self) -> list[EpAssignedNode]:
+        return list(self.nodes)
+
+
+# the session config entry that makes get_provider_graph_assignment_info answer, as in onnxruntime
+_ASSIGNMENT_ENTRY = "session.record_ep_graph_assignment_info"
+
+
 class FeedChecker:
     """Checks a feed dict against the graph inputs once per call: names, dtypes, ranks and fixed dims."""
 
@@ -357,7 +381,7 @@ class InferenceSession:
             from onnxtrain.ir.io import save_dump
 
             save_dump(model, optimized_model_path(self._sess_options),
-                      "SessionOptions.optimized_model_filepath")
+                      "SessionOptions.optimized_model_filepath", **optimized_model_data(self._sess_options))
         del model
         g = self._model.graph
         inits = {t.name for t in g.initializer}
@@ -547,6 +571,16 @@ class InferenceSession:
         """Where each output's memory lives: the CPU, as for the inputs."""
         return [_cpu_memory_info() for _ in self._output_names]
 
+    def get_provider_graph_assignment_info(self) -> list[EpAssignedSubgraph]:
+        """The nodes each execution provider runs, one subgraph per node of the CPU provider (the numpy
+        engine runs every node itself), when the session config entry
+        ``session.record_ep_graph_assignment_info`` is "1"; else a Fail, as onnxruntime's."""
+        if _config(self._sess_options).get(_ASSIGNMENT_ENTRY) != "1":
+            raise Fail(f"Session configuration entry '{_ASSIGNMENT_ENTRY}' must be set to \"1\" to retrieve "
+                       "EP graph assignment information")
+        return [EpAssignedSubgraph("CPUExecutionProvider", (EpAssignedNode(n.domain, n.op_type, n.name),))
+                for n in self._model.graph.node]
+
     def get_input_epdevices(self) -> list[None]:
         """The execution-provider device of each input: None (no plug-in provider device), one per input
         as onnxruntime lists them."""
@@ -662,6 +696,34 @@ def optimized_model_path(options: SessionOptions) -> str:
              "there, not onnxruntime's ORT format; name it .onnx, or convert it with onnxruntime's "
              "convert_onnx_models_to_ort")
     return path
+
+
+# the session config entries that put the optimized model's initializers in a data file, as onnxruntime's do
+_DATA_FILE = "session.optimized_model_external_initializers_file_name"
+_DATA_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"
+
+
+def optimized_model_data(options: Any) -> dict[str, Any]:
+    """How ``optimized_model_filepath`` keeps its initializers: with the config entry
+    ``session.optimized_model_external_initializers_file_name`` (a file name beside the model), those of
+    ``..._min_size_in_bytes`` bytes or more (1024 unless set) in that file, as onnxruntime writes them;
+    without it, in the model."""
+    config = _config(options)
+    name = config.get(_DATA_FILE)
+    if not name:
+        return {}
+    if os.path.basename(name) != name or name in (".", ".."):
+        raise FailValueError(f"session config entry {_DATA_FILE} must be a file name (written beside the "
+                             f"optimized model), got {name!r}")
+    text = config.get(_DATA_MIN_BYTES, "1024")
+    try:
+        threshold = int(text)
+    except ValueError:
+        threshold = -1
+    if threshold < 0:
+        raise FailValueError(f"session config entry {_DATA_MIN_BYTES} must be a whole number of bytes, got "
+                             f"{text!r}")
+    return {"external_data": name, "size_threshold": threshold}
 
 
 def claim_trace_path(prefix: str) -> str:

@@ -675,10 +675,13 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, *,
         stage_model(files, model, path, external_data=external_data, size_threshold=size_threshold)
 
 
-def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str) -> None:
-    """:func:`save_model_atomic` for a path the user gave as the option ``where``, which its errors name."""
+def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str, *,
+              external_data: str | None = None, size_threshold: int = 1024) -> None:
+    """:func:`save_model_atomic` for a path the user gave as the option ``where``, which its errors name
+    (``external_data``, ``size_threshold``: initializers of that many bytes or more go to that file)."""
     try:
-        save_model_atomic(model, path, make_folders=False)
+        save_model_atomic(model, path, make_folders=False, external_data=external_data,
+                          size_threshold=size_threshold)
     except OSError as e:
         raise _about(e, path, where) from None
 

@@ -984,3 +984,59 @@ def test_an_unusable_ort_config_in_the_model_is_refused(config, monkeypatch) -> 
         _session(ort, _model_with_ort_config(config))
     with pytest.raises(RuntimeError, match="ort_config"):
         _session(onnxtrain, _model_with_ort_config(config))
+
+
+def _three_weights() -> bytes:
+    """y = x + the sums of three weights of 96, 100 and 104 bytes (24, 25 and 26 ones)."""
+    sizes = (24, 25, 26)
+    nodes = [h.make_node("ReduceSum", [f"w{n}"], [f"s{n}"], keepdims=0) for n in sizes]
+    nodes.append(h.make_node("Sum", [f"s{n}" for n in sizes] + ["x"], ["y"]))
+    scalar = [h.make_tensor_value_info(n, T.FLOAT, []) for n in "xy"]
+    return _bytes(nodes, scalar[:1], scalar[1:],
+                  [numpy_helper.from_array(np.ones(n, np.float32), f"w{n}") for n in sizes])
+
+
+@LIBS
+def test_model_serialization_with_external_initializers(lib, tmp_path, monkeypatch) -> None:
+    """test_model_serialization_with_external_initializers (_to_directory, _to_current_directory): the
+    optimized model keeps the initializers of at least the configured size in the named file beside it,
+    and loads and runs from there (the original's folder gone)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    so = lib.SessionOptions()
+    so.graph_optimization_level = lib.GraphOptimizationLevel.ORT_DISABLE_ALL  # (onnxruntime folds them)
+    so.optimized_model_filepath = os.path.join("out", "optimized.onnx")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "100")
+    _session(lib, _three_weights(), so)
+    assert (tmp_path / "out" / "weights.bin").stat().st_size == 204
+    saved = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    where = {t.name: {e.key: e.value for e in t.external_data} for t in saved.graph.initializer}
+    assert where["w24"] == {} and where["w25"]["location"] == where["w26"]["location"] == "weights.bin"
+    assert sorted(int(where[n]["length"]) for n in ("w25", "w26")) == [100, 104]
+    again = _session(lib, os.path.abspath(so.optimized_model_filepath))
+    np.testing.assert_array_equal(again.run(None, {"x": np.array(1, np.float32)})[0], 76)
+
+
+def test_get_graph_provider_assignment_info() -> None:
+    """test_get_graph_provider_assignment_info / _not_enabled: with session.record_ep_graph_assignment_info
+    each node is its own subgraph of the CPU provider (domain, op and name); without it, a Fail."""
+    nodes = [h.make_node("Add", ["x", "x"], ["a"], name="add_0"),
+             h.make_node("Mul", ["a", "x"], ["m"], name="mul_0"),
+             h.make_node("Add", ["m", "x"], ["y"], name="add_1")]
+    xy = [h.make_tensor_value_info(n, T.FLOAT, [2]) for n in "xy"]
+    model = _bytes(nodes, xy[:1], xy[1:])
+
+    def recording(lib):
+        so = lib.SessionOptions()
+        so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        return so
+
+    for sess in _both(model, recording):
+        subgraphs = sess.get_provider_graph_assignment_info()
+        assert [s.ep_name for s in subgraphs] == ["CPUExecutionProvider"] * 3
+        assert [[f"{n.domain}:{n.op_type}/{n.name}" for n in s.get_nodes()] for s in subgraphs] == [
+            [":Add/add_0"], [":Mul/mul_0"], [":Add/add_1"]]
+    for lib, sess in zip((ort, onnxtrain), _both(model)):
+        with pytest.raises(_error_class(lib, "Fail"), match="session.record_ep_graph_assignment_info"):
+            sess.get_provider_graph_assignment_info()
