@@ -1,5 +1,7 @@
 """The names onnxruntime exposed in ``onnxruntime.capi._pybind_state``."""
 
+from typing import Any
+
 from onnxtrain.autodiff.legacy import GradientGraphBuilder
 from onnxtrain.autodiff.registry import register_custom_stop_gradient_edges
 from onnxtrain.capi.allocators import (
@@ -69,11 +71,28 @@ __all__ = [
     "get_mpi_context_world_size",
     "get_version_string",
     "has_collective_ops",
+    "is_dlpack_uint8_tensor",
     "register_custom_stop_gradient_edges",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
     "set_seed",
 ]
+
+
+def is_dlpack_uint8_tensor(dlpack: Any) -> bool:
+    """Whether the DLPack capsule ``dlpack`` (not yet consumed) holds uint8 values, read from its DLTensor
+    without consuming it, as onnxruntime's function of that name (bool tensors travel as uint8)."""
+    import ctypes
+
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    valid = ctypes.pythonapi.PyCapsule_IsValid
+    valid.restype, valid.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    if not valid(dlpack, b"dltensor"):
+        raise TypeError("is_dlpack_uint8_tensor takes a DLPack capsule that has not been consumed")
+    # DLTensor: data (a pointer), device (two int32), ndim (int32), then dtype: code (uint8), bits (uint8)
+    code, bits = (ctypes.c_uint8 * 2).from_address(get_pointer(dlpack, b"dltensor") + 20)
+    return code == 1 and bits == 8  # kDLUInt, 8 bits
 
 
 def get_default_session_options() -> SessionOptions:

@@ -1040,3 +1040,32 @@ def test_get_graph_provider_assignment_info() -> None:
     for lib, sess in zip((ort, onnxtrain), _both(model)):
         with pytest.raises(_error_class(lib, "Fail"), match="session.record_ep_graph_assignment_info"):
             sess.get_provider_graph_assignment_info()
+
+
+def test_ort_value_dlpack_through_the_binding_layer() -> None:
+    """test_ort_value_dlpack: a value's capsule (to_dlpack, __dlpack__) read back by the binding layer's
+    OrtValue.from_dlpack shares its memory; is_dlpack_uint8_tensor tells a uint8 capsule without consuming
+    it (onnxruntime 1.32's inference wheel lacks that function: onnxruntime-training 1.19 is the oracle)."""
+    from onnxtrain.capi import _pybind_state as C
+    from tests.ortt import run_script
+
+    a = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+    value = onnxtrain.OrtValue.ortvalue_from_numpy(a)
+    for capsule in (value._ortvalue.to_dlpack(), value._ortvalue.__dlpack__()):
+        assert not C.is_dlpack_uint8_tensor(capsule)
+        again = C.OrtValue.from_dlpack(capsule, False)
+        assert again.data_ptr() == value.data_ptr()
+        np.testing.assert_array_equal(again.numpy(), a)
+    assert value._ortvalue.__dlpack_device__() == (1, 0)
+    kinds = ["float32", "uint8", "int8", "int64"]
+    theirs = run_script(
+        "import json, sys, numpy as np, onnxruntime as ort\n"
+        "from onnxruntime.capi import _pybind_state as C\n"
+        "print(json.dumps([C.is_dlpack_uint8_tensor(ort.OrtValue.ortvalue_from_numpy(np.ones(3, k))"
+        "._ortvalue.to_dlpack()) for k in sys.argv[1:]]))", *kinds)
+    ours = []
+    for kind in kinds:
+        capsule = onnxtrain.OrtValue.ortvalue_from_numpy(np.ones(3, kind)).to_dlpack()
+        ours.append(C.is_dlpack_uint8_tensor(capsule))
+        np.testing.assert_array_equal(C.OrtValue.from_dlpack(capsule, False).numpy(), np.ones(3, kind))
+    assert ours == theirs == [False, True, False, False]
