@@ -33,6 +33,7 @@ from onnxtrain.capi.runtime_info import (
     get_mpi_context_world_rank,
     get_mpi_context_world_size,
     has_collective_ops,
+    set_default_logger_callback,
     set_default_logger_severity,
     set_default_logger_verbosity,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "has_collective_ops",
     "is_dlpack_uint8_tensor",
     "register_custom_stop_gradient_edges",
+    "set_default_logger_callback",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
     "set_seed",

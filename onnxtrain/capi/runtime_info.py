@@ -4,10 +4,13 @@ default logger's severity and verbosity, telemetry, the build string and feature
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from typing import Any
 
 from onnxtrain.errors import FailValueError
 
-_LOGGER = {"severity": 2, "verbosity": 0}  # onnxruntime's defaults: WARNING, verbosity 0
+# onnxruntime's defaults: WARNING, verbosity 0, its own sink
+_LOGGER: dict[str, Any] = {"severity": 2, "verbosity": 0, "callback": None}
 _SET: set[str] = set()  # the settings a caller made (passed on to onnxruntime when it is imported later)
 
 
@@ -35,6 +38,25 @@ def set_default_logger_verbosity(verbosity: int) -> None:
     _pass_on()
 
 
+def set_default_logger_callback(callback: Callable[[int, str, str, str, str], None] | None,
+                                severity: int = 2) -> None:
+    """Route onnxruntime's log lines to ``callback(severity, category, logid, code_location, message)``
+    (None: back to its default sink), setting the default severity when a callback is given, as onnxruntime's
+    function does; passed on to the onnxruntime backend like the severity. The numpy engine writes no log
+    lines (onnxtrain's own messages are Python warnings), so no line of its sessions reaches the callback.
+    A severity outside 0..4 or a callback that is not callable is refused, as there."""
+    level = _level(severity, "severity", 0, 4)
+    if callback is not None and not callable(callback):
+        raise FailValueError(f"set_default_logger_callback: callback must be a callable, got "
+                             f"{type(callback).__name__}")
+    _LOGGER["callback"] = callback
+    _SET.add("callback")
+    if callback is not None:
+        _LOGGER["severity"] = level
+        _SET.add("severity")
+    _pass_on()
+
+
 def default_logger_severity() -> int:
     """The severity last set by :func:`set_default_logger_severity` (2 until then)."""
     return _LOGGER["severity"]
@@ -43,9 +65,11 @@ def default_logger_severity() -> int:
 def apply_logger_settings(ort: object) -> None:
     """Pass the settings made so far on to the ``onnxruntime`` module ``ort`` (the backend calls this when
     it imports onnxruntime, which may come after the settings)."""
-    for key in sorted(_SET):
+    for key in sorted(_SET):  # (the callback before the severity, which a callback would set)
         fn = getattr(ort, f"set_default_logger_{key}", None)
-        if fn is not None:
+        if fn is not None and key == "callback":
+            fn(_LOGGER["callback"], _LOGGER["severity"])
+        elif fn is not None:
             fn(_LOGGER[key])
 
 

@@ -1069,3 +1069,38 @@ def test_ort_value_dlpack_through_the_binding_layer() -> None:
         ours.append(C.is_dlpack_uint8_tensor(capsule))
         np.testing.assert_array_equal(C.OrtValue.from_dlpack(capsule, False).numpy(), np.ones(3, kind))
     assert ours == theirs == [False, True, False, False]
+
+
+def test_set_default_logger_callback() -> None:
+    """test_set_default_logger_callback: a callable (or None) and a severity of 0..4 are taken, others are a
+    RuntimeError; on the onnxruntime backend the session's log lines reach the callback with onnxruntime's
+    five arguments (the numpy engine writes none)."""
+    from onnxtrain.engine.backends import CONFIG_KEY
+
+    records: list[tuple] = []
+
+    def record(*args) -> None:
+        records.append(args)
+
+    try:
+        for lib in (ort, onnxtrain):
+            lib.set_default_logger_callback(lambda *args: None)
+            lib.set_default_logger_callback(record, severity=4)
+            lib.set_default_logger_callback(None)
+            for callback, severity in ((record, 5), (record, -1), ("not a callable", 2)):
+                with pytest.raises(RuntimeError):
+                    lib.set_default_logger_callback(callback, severity=severity)
+        onnxtrain.set_default_logger_callback(record, severity=0)
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
+        sess = onnxtrain.InferenceSession(mul_1(), so)
+        np.testing.assert_array_equal(sess.run(None, {"X": X32})[0], SQUARES)
+        assert records
+        for severity, category, logid, location, message in records:
+            assert isinstance(severity, int) and all(isinstance(v, str) for v in (category, logid, location,
+                                                                                  message))
+    finally:
+        onnxtrain.set_default_logger_callback(None)
+        onnxtrain.set_default_logger_severity(2)
+        ort.set_default_logger_callback(None)
+        ort.set_default_logger_severity(2)
