@@ -1116,3 +1116,67 @@ def test_set_default_logger_callback() -> None:
         onnxtrain.set_default_logger_severity(2)
         ort.set_default_logger_callback(None)
         ort.set_default_logger_severity(2)
+
+
+def _ml(nodes, inputs, outputs) -> bytes:
+    g = h.make_graph(nodes, "g", inputs, outputs)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("ai.onnx.ml", 1)],
+                        ir_version=8).SerializeToString()
+
+
+def _map_type(key: int, value: int) -> onnx.TypeProto:
+    return h.make_map_type_proto(key, h.make_tensor_type_proto(value, None))
+
+
+@pytest.mark.parametrize("labels", [{"classlabels_strings": ["a", "b", "c"]},
+                                    {"classlabels_int64s": [10, 20, 30]}], ids=["strings", "int64s"])
+def test_sequence_of_maps_output(labels) -> None:
+    """The map outputs of onnxruntime's ML tests (ZipMap, onnxruntime_test_python_mlops.py): a list of dicts,
+    typed seq(map(...)), the same keys and values as onnxruntime's."""
+    key = T.STRING if "classlabels_strings" in labels else T.INT64
+    model = _ml([h.make_node("ZipMap", ["x"], ["y"], domain="ai.onnx.ml", **labels)],
+                [h.make_tensor_value_info("x", T.FLOAT, [None, 3])],
+                [h.make_value_info("y", h.make_sequence_type_proto(_map_type(key, T.FLOAT)))])
+    x = np.array([[0.1, 0.2, 0.7], [0.5, 0.3, 0.2]], np.float32)
+    theirs, ours = _both(model)
+    assert _args(ours.get_outputs()) == _args(theirs.get_outputs())
+    assert ours.run(None, {"x": x})[0] == theirs.run(None, {"x": x})[0]
+
+
+def test_map_input() -> None:
+    """A map input (DictVectorizer, onnxruntime_test_python_mlops.py): a dict is fed; a key of another type
+    is onnxruntime's InvalidArgument, a list a RuntimeError."""
+    node = h.make_node("DictVectorizer", ["x"], ["y"], domain="ai.onnx.ml", string_vocabulary=["a", "b", "c"])
+    model = _ml([node], [h.make_value_info("x", _map_type(T.STRING, T.FLOAT))],
+                [h.make_tensor_value_info("y", T.FLOAT, [1, 3])])
+    for lib, sess in zip((ort, onnxtrain), _both(model)):
+        assert _args(sess.get_inputs()) == [("x", "map(string,tensor(float))", [])]
+        y = sess.run(None, {"x": {"a": 1.0, "c": 3.0}})[0]
+        assert y.dtype == np.float32
+        np.testing.assert_array_equal(y, [[1.0, 0.0, 3.0]])
+        with pytest.raises(_error_class(lib, "InvalidArgument")):
+            sess.run(None, {"x": {1: 1.0}})
+        with pytest.raises(RuntimeError):
+            sess.run(None, {"x": [1.0]})
+
+
+@LIBS
+def test_model_serialization_with_original_external_initializers(lib, tmp_path, monkeypatch) -> None:
+    """test_model_serialization_with_original_external_initializers_to_current_directory: a model whose
+    weights are in a data file of its own is saved optimized with its weights in another file, which loads
+    and runs once the original model and data are gone."""
+    monkeypatch.chdir(tmp_path)
+    source = onnx.load_from_string(_three_weights())
+    onnx.save_model(source, "original.onnx", save_as_external_data=True, location="original.bin",
+                    size_threshold=0)
+    so = lib.SessionOptions()
+    so.graph_optimization_level = lib.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.optimized_model_filepath = "optimized.onnx"
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.bin")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "10")
+    _session(lib, "original.onnx", so)
+    os.remove("original.onnx")
+    os.remove("original.bin")
+    assert os.path.getsize("optimized.bin") == 300
+    again = _session(lib, "optimized.onnx", lib.SessionOptions())
+    np.testing.assert_array_equal(again.run(None, {"x": np.array(1, np.float32)})[0], 76)
