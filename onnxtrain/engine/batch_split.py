@@ -14,10 +14,11 @@ dimension (e.g. ``batch``) that every input and every output has exactly once: t
 first time a batch of some size comes, the run is made both ways, and the halves are used from then on only
 if their outputs agree with the whole run's (a model that mixes samples, a batch norm in training mode say,
 fails that and keeps running whole). They agree to within :data:`RTOL`, not to the bit: BLAS rounds a
-product of half the rows, or on one thread, differently. Whether a batch size splits does not depend on
-timing: only on the live activations of its whole run (:data:`MIN_ACTIVATION_BYTES`, and twice the weights:
-:data:`ACTIVATIONS_PER_WEIGHT`), on the plan's threads
-(two or more) and on numpy's BLAS being an OpenBLAS whose thread count can be pinned
+product of half the rows, or on one thread, differently; so the run that checks a batch size answers with
+its halves once they agree, and every run of that size gives the same bits. Whether a batch size splits
+does not depend on timing: only on the live activations of its whole run (:data:`MIN_ACTIVATION_BYTES`,
+and twice the weights: :data:`ACTIVATIONS_PER_WEIGHT`), on the plan's threads (two or more) and on
+numpy's BLAS being an OpenBLAS whose thread count can be pinned
 (:func:`onnxtrain.engine.blas.single_threaded_blas`). The session config entry ``onnxtrain.batch_split =
 0`` turns it off. The halves share the whole plan's weights; their activations, scratch and the second
 thread's BLAS buffers cost memory (the transformer's session: +15 MiB of peak RSS).
@@ -101,7 +102,7 @@ class BatchSplitter:
         self.input_axes, self.output_axes = axes
         self.halves: tuple[Plan, Plan] | None = None
         self.verdicts: dict[int, bool] = {}  # batch size → whether its halves agree with its whole run
-        self.split_runs = 0  # runs answered by the halves
+        self.split_runs = 0  # runs answered by the halves alone (not those that check them)
         self.weight_bytes = sum(v.nbytes for v in plan.initializers.values())  # shared by the halves
 
     @classmethod
@@ -148,6 +149,10 @@ class BatchSplitter:
                     raise
                 except Exception:  # e.g. a reshape to a fixed batch: the model does not run on half a batch
                     self.verdicts[batch] = False
+                if self.verdicts[batch]:
+                    # the halves answer every later run of this size: this one too, or its bits would
+                    # differ from theirs (BLAS rounds half the rows on one thread differently)
+                    return halves
         return whole
 
     def _batch(self, feeds: Mapping[str, Any]) -> int:
