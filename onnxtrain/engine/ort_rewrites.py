@@ -82,6 +82,12 @@ GlobalAveragePool, ...) become standard ops that have one (:mod:`onnxtrain.engin
 onnxruntime's optimisations off. So do float16 MeanVarianceNormalization and GlobalLpPool from opset 22,
 which onnxruntime cannot load (:mod:`onnxtrain.engine.ort_half_ops`).
 
+A ScatterND that combines rows (reduction add, mul, min or max; one index per tuple: a Gather's gradient)
+and is large enough for onnxruntime to split over threads becomes a ScatterElements over the flattened data
+(:mod:`onnxtrain.engine.ort_scatter_nd`), even with onnxruntime's optimisations off: onnxruntime's threads
+combined rows of a repeated index without a lock and lost updates (an embedding's gradient off by whole
+values, other bits at every run).
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -112,6 +118,7 @@ from onnxtrain.engine.ort_output_padding import (
 )
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_same_pads import dilated_same_pads
+from onnxtrain.engine.ort_scatter_nd import serial_scatter_nds
 from onnxtrain.engine.ort_sums import leading_sums
 from onnxtrain.ir.builder import (
     NameGen,
@@ -167,9 +174,10 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
-    load or run the graph: the BatchNormalization outputs', half-precision scatters', dilated SAME Convs' and
-    pools' pads, SAME ConvTransposes' pads, ConvTransposes' large output_paddings, float64 ops without a
-    float64 kernel and the float16 ops and GlobalLpPool onnxruntime cannot load.
+    load or run the graph (or run it right): the BatchNormalization outputs', half-precision scatters',
+    combining row ScatterNDs (:mod:`~onnxtrain.engine.ort_scatter_nd`), dilated SAME Convs' and pools' pads,
+    SAME ConvTransposes' pads, ConvTransposes' large output_paddings, float64 ops without a float64 kernel
+    and the float16 ops and GlobalLpPool onnxruntime cannot load.
     ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
@@ -182,7 +190,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = equal_rank_operands(pads_as_concat(model, typed), typed)
     model = same_conv_transposes(dilated_same_pads(model, typed), typed)
     model = large_output_paddings(output_shape_conv_transposes(model, typed))
-    model = float64_ops(inference_batch_norms(half_scatters_in_float32(model, typed)), typed)
+    model = serial_scatter_nds(half_scatters_in_float32(model, typed), typed)
+    model = float64_ops(inference_batch_norms(model), typed)
     return half_ops(model, typed)
 
 
