@@ -130,19 +130,29 @@ def _text(v: str | bytes) -> str:
 
 
 def _linear(inputs: Inputs, attrs: Attrs, op: str, sets: int | None) -> np.ndarray:
-    """X · coefficientsᵀ + intercepts, [N, sets] float32 (``sets`` None: as many as the coefficients make)."""
+    """X · coefficientsᵀ + intercepts, [N, sets] float32 (``sets`` None: one per intercept, else as many as
+    the coefficients make)."""
     rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
     c = rows.shape[1]
     coef = np.asarray(attrs.get("coefficients") or [], np.float32)
+    intercepts = attrs.get("intercepts")
+    if sets is None and intercepts:
+        sets = len(intercepts)
+        if coef.size % sets:
+            raise ValueError(f"{op}: {coef.size} coefficients are not a multiple of the {sets} classes "
+                             "(one intercept each)")
     if sets is None:
         if not coef.size or coef.size % c:
             raise ValueError(f"{op}: {coef.size} coefficients do not make rows of the {c} features")
         sets = coef.size // c
     elif coef.size != sets * c:
-        raise ValueError(f"{op}: {coef.size} coefficients for {sets} target(s) of {c} features")
+        # more coefficients than the features fed take (onnxruntime's example logreg_iris.onnx holds 12 for
+        # 3 classes and declares 2 features): onnxruntime reads the first sets × features of them
+        if coef.size < sets * c:
+            raise ValueError(f"{op}: {coef.size} coefficients for {sets} target(s) of {c} features")
+        coef = coef[:sets * c]
     k = sets
     y = rows @ coef.reshape(k, c).T
-    intercepts = attrs.get("intercepts")
     if intercepts:
         if len(intercepts) != k:
             raise ValueError(f"{op}: {len(intercepts)} intercepts for {k} sets of coefficients")
