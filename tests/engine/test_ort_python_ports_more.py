@@ -418,6 +418,29 @@ def test_scatternd_reduction_over_repeated_indices(reduction: str, line: int) ->
 
 # ---------------------------------------------------------------- onnx_test_trilu.py
 
+_TRILU_CASES = [  # (shape, k; None: no k input)
+    ((3, 4, 5), None), ((3, 4, 5), -1), ((3, 4, 5), -7), ((3, 4, 5), 2), ((3, 4, 5), 6), ((3, 5, 5), None),
+    ((3, 5, 5), -1), ((3, 1, 5), -7), ((3, 5, 5), 2), ((3, 0, 5), 6)]
+
+
+@pytest.mark.parametrize("upper", [1, 0])
+@pytest.mark.parametrize("shape,k", _TRILU_CASES)
+def test_contrib_trilu(shape: tuple[int, ...], k: int | None, upper: int) -> None:
+    """test_triu*, test_tril* (onnx_test_trilu.py): onnxruntime's contrib op com.microsoft.Trilu, upper
+    and lower, with k absent, negative, positive and past the matrix, square, one-row and empty inputs."""
+    names = ["x"] + ([] if k is None else ["k"])
+    attrs = {} if upper else {"upper": 0}
+    inputs = [helper.make_tensor_value_info("x", F, list(shape))]
+    if k is not None:
+        inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
+    model = _model([helper.make_node("Trilu", names, ["y"], domain="com.microsoft", **attrs)], inputs,
+                   [helper.make_tensor_value_info("y", F, None)], {"": 17, "com.microsoft": 1})
+    x = np.random.default_rng(len(shape) * 7 + (k or 0)).standard_normal(shape).astype(np.float32)
+    feeds = {"x": x} if k is None else {"x": x, "k": np.array([k], np.int64)}
+    got = _same_run(model, feeds)[0]
+    np.testing.assert_array_equal(got, (np.triu if upper else np.tril)(x, k or 0))
+
+
 _LINEAR_CASES = [  # (op, coefficients, intercepts, targets): more coefficients than 2 features take, too few
     ("LinearRegressor", 6, [0.5, 1.0], 2), ("LinearRegressor", 6, [0.5], 1),
     ("LinearRegressor", 4, [0.5, 1, 2], 3),

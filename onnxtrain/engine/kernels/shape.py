@@ -401,8 +401,12 @@ def eye_like(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 
 @kernel("Trilu", since=14)
+@kernel("Trilu", domain="com.microsoft")
 def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """The upper (``upper`` 1, the default) or lower triangle of the last two axes from diagonal k; also
+    onnxruntime's contrib op ``com.microsoft.Trilu``, the same op before ONNX's Trilu-14."""
     x = inputs[0]
+    upper = attrs.get("upper", 1)
     if np.ndim(x) < 2:  # the spec's rank >= 2 (onnxruntime refuses rank 1 too)
         raise ValueError(f"Trilu: the input must have rank 2 or more, got rank {np.ndim(x)}")
     k = _opt_input(inputs, 1)
@@ -412,9 +416,9 @@ def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
     reach = x.shape[-2] + x.shape[-1]
     k = max(-reach, min(reach, k))
     if x.dtype.kind in "OSU":  # a string's zero is "" (numpy's zero of an object array is the integer 0)
-        keep = (np.triu if attrs["upper"] else np.tril)(np.ones(x.shape[-2:], bool), k)
+        keep = (np.triu if upper else np.tril)(np.ones(x.shape[-2:], bool), k)
         return (np.where(keep, x, "").astype(object, copy=False),)
-    return ((np.triu if attrs["upper"] else np.tril)(x, k),)
+    return ((np.triu if upper else np.tril)(x, k),)
 
 
 def _center_crop_pad_plan(shape: tuple[int, ...], target: list[int], axes: list[int] | None
