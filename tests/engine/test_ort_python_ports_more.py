@@ -72,6 +72,83 @@ def _same_run(model: bytes | str, feeds: dict, names: list[str] | None = None) -
 # ---------------------------------------------------------------- onnxruntime_test_python_backend.py
 
 
+def test_backend_prepare_and_run_as_onnxruntime_backend() -> None:
+    """testRunModel: ``prepare`` on a file path (and its bytes) and ``run`` with one array."""
+    path = _example("mul_1.onnx")
+    x = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=np.float32)
+    want = ort_backend.prepare(path).run(x)
+    with open(path, "rb") as f:
+        serialized = f.read()
+    for model in (path, serialized):
+        got = tbackend.prepare(model).run(x)
+        assert isinstance(got, list) and len(got) == len(want) == 1
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(tbackend.prepare(model).run([x])[0], want[0])
+    np.testing.assert_array_equal(tbackend.run(path, x)[0], ort_backend.run(path, x)[0])
+
+
+def test_backend_prepare_takes_a_rep_or_a_session() -> None:
+    """onnxruntime's backend.prepare: a prepared rep is returned as is, an InferenceSession is wrapped."""
+    path = _example("mul_1.onnx")
+    x = np.ones((3, 2), np.float32)
+    rep = tbackend.prepare(path)
+    assert tbackend.prepare(rep) is rep
+    assert ort_backend.prepare(ort_backend.prepare(path)) is not None
+    got = tbackend.prepare(onnxtrain.InferenceSession(path)).run(x)
+    want = ort_backend.prepare(ort.InferenceSession(path, providers=CPU)).run(x)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_backend_devices_as_onnxruntime_backend() -> None:
+    """backend.supports_device / is_compatible / prepare(device=...) as onnxruntime's CPU build answers."""
+    path = _example("mul_1.onnx")
+    for device in ("CPU", "cpu", "GPU", "CUDA", "CPU-FP32"):
+        assert tbackend.supports_device(device) == ort_backend.supports_device(device), device
+    model = onnx.load(path)
+    for device in (None, "CPU", "GPU"):
+        assert tbackend.is_compatible(model, device) == ort_backend.is_compatible(model, device), device
+    for device in ("GPU", "CUDA"):
+        with pytest.raises(RuntimeError, match="Incompatible device") as want:
+            ort_backend.prepare(path, device)
+        with pytest.raises(RuntimeError, match=f"Incompatible device expected '{device}'") as got:
+            tbackend.prepare(path, device)
+        assert str(got.value) == str(want.value)
+
+
+def test_backend_options_by_keyword_as_onnxruntime_backend() -> None:
+    """onnxruntime's backend takes a safe list of SessionOptions / RunOptions attributes as keywords and
+    refuses the other attributes of those classes with a RuntimeError naming the attribute."""
+    path = _example("mul_1.onnx")
+    x = np.ones((3, 2), np.float32)
+    want = ort_backend.prepare(path, intra_op_num_threads=1, use_deterministic_compute=True).run(
+        x, logid="a", only_execute_path_to_fetches=True)
+    got = tbackend.prepare(path, intra_op_num_threads=1, use_deterministic_compute=True).run(
+        x, logid="a", only_execute_path_to_fetches=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    rep = tbackend.prepare(path, intra_op_num_threads=1)
+    assert rep.session.get_session_options().intra_op_num_threads == 1
+    for module in (ort_backend, tbackend):
+        with pytest.raises(RuntimeError, match="SessionOptions attribute 'optimized_model_filepath' is not "
+                                               "permitted via the backend API"):
+            module.prepare(path, optimized_model_filepath="never.onnx")
+        with pytest.raises(RuntimeError, match="RunOptions attribute 'terminate' is not permitted"):
+            module.prepare(path).run(x, terminate=True)
+        # names neither class has are let through, as onnxruntime's backend lets them
+        np.testing.assert_array_equal(module.prepare(path, not_an_option=1).run(x, nor_this=2)[0], want[0])
+    assert not os.path.exists("never.onnx")
+
+
+def test_backend_one_value_for_a_model_of_two_inputs() -> None:
+    """onnxruntime's backend: one value (not a list) for a model of two inputs is a RuntimeError."""
+    model = _model([helper.make_node("Add", ["a", "b"], ["c"])],
+                   [helper.make_tensor_value_info(n, F, [2]) for n in "ab"],
+                   [helper.make_tensor_value_info("c", F, [2])], {"": 17})
+    with pytest.raises(RuntimeError, match="Model expect 2 inputs"):
+        ort_backend.prepare(model).run(np.ones(2, np.float32))
+    with pytest.raises(RuntimeError, match="expects 2 inputs"):
+        tbackend.prepare(model).run(np.ones(2, np.float32))
+
+
 def test_only_execute_path_to_fetches_runs_the_fetched_branch() -> None:
     """testAllocationPlanWorksWithOnlyExecutePathToFetchesOption: two branches whose intermediates have the
     same size, each fetched alone with only_execute_path_to_fetches."""
@@ -108,6 +185,19 @@ def _dict_vectorizer_model() -> bytes:
 
 
 _MAP = {0: 25.0, 1: 5.13, 2: 0.0, 3: 0.453, 4: 5.966}
+
+
+def test_backend_runs_a_model_whose_input_is_a_map() -> None:
+    """testRunModelNonTensor: ``rep.run(dict)`` feeds the dict as the model's one map input."""
+    model = _dict_vectorizer_model()
+    want = ort_backend.prepare(model).run(_MAP)
+    got = tbackend.prepare(model).run(_MAP)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    # a dict of feeds by name is still taken for a model whose input is a tensor
+    path = _example("mul_1.onnx")
+    x = np.ones((3, 2), np.float32)
+    want = ort_backend.prepare(path).run(x)
+    np.testing.assert_array_equal(tbackend.prepare(path).run({"X": x})[0], want[0])
 
 
 def _same_label_maps(want: list[dict], got: list[dict]) -> None:
