@@ -28,6 +28,11 @@ _DEFAULTS: dict[str, Any] = {
     "immutable_weights": {},
     "training_optimizer_name": "",
     "lr_params_feed_name": "Learning_Rate",
+    # onnxruntime 1.2-1.3: under mixed precision the client computed loss · loss_scale in the model and
+    # named the product and the scale input here (its frontend set both on every session, '' without mixed
+    # precision); the session then differentiated that product and unscaled by that input
+    "scaled_loss_output_name": "",
+    "loss_scale_input_name": "",
     "optimizer_attributes_map": {},
     "optimizer_int_attributes_map": {},
     "loss_scale": 0.0,
@@ -252,6 +257,12 @@ class TrainingParameters:
         idle = []
         if self.is_set("mixed_precision_dtype") and not v["use_mixed_precision"]:
             idle.append("mixed_precision_dtype has no effect without use_mixed_precision")
+        for name in ("scaled_loss_output_name", "loss_scale_input_name"):
+            if v[name] and not v["use_mixed_precision"]:
+                idle.append(f"{name} has no effect without use_mixed_precision")
+        if v["loss_scale_input_name"] and v["use_mixed_precision"] and not v["scaled_loss_output_name"]:
+            idle.append("loss_scale_input_name has no effect without scaled_loss_output_name (the session "
+                        "adds its own loss_scale input)")
         if v["number_recompute_layers"] and not v["transformer_layer_recompute"]:
             idle.append("number_recompute_layers has no effect without transformer_layer_recompute")
         if v["legacy_cpu_adam"] and opt != "AdamOptimizer":

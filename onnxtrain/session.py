@@ -247,6 +247,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._check_attribute_maps({t.name for t in model.graph.initializer})
         mp = g.mixed_precision
         self.loss_scale_input_name = mp.loss_scale if mp is not None else None
+        # a loss scale the model's own scaled loss reads (scaled_loss_output_name) may be fed 0-d, as that
+        # input was declared; the step graphs take it as [1]
+        self._scale_as_one = mp is not None and bool(p.scaled_loss_output_name)
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
         self._specs = list(g.state_specs)
         self._zero: ZeroLayout | None = None
@@ -467,6 +470,8 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
 
             check_same_sizes(self._graphs.same_size_dims, feeds, "TrainingSession.run")
         self._check_loss_scale(feeds)
+        if self._scale_as_one and np.ndim(feeds.get(self.loss_scale_input_name, ())) == 0:
+            feeds[self.loss_scale_input_name] = np.reshape(feeds[self.loss_scale_input_name], [1])
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             # (the model's own Dropout mode, as onnxruntime's shared initializer copied it, unless the run
             # options turn it off)

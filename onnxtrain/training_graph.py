@@ -431,6 +431,46 @@ def update_clips(p: TrainingParameters, adasum: bool = False) -> bool:
     return bool(p.enable_grad_norm_clip or (adasum and fp16))
 
 
+def strip_client_loss_scaling(m: onnx.ModelProto, loss: str, scaled: str,
+                              scale_input: str) -> onnx.ValueInfoProto:
+    """Remove from ``m`` (in place) the node computing ``scaled`` = ``loss`` · a float graph input and that
+    input's declaration; return the declaration. onnxruntime 1.2-1.3's binding differentiated such a
+    client-made scaled loss (``scaled_loss_output_name``); the mixed-precision pass rebuilds the same product
+    under the same names, so the gradients are unscaled by that input as by the session's own
+    ``loss_scale``."""
+    g = m.graph
+    where = f"TrainingParameters.scaled_loss_output_name {scaled!r}"
+    node = next((n for n in g.node if scaled in n.output), None)
+    if node is None:
+        raise ValueError(f"{where} is not a value the model's nodes compute")
+    fed = {v.name: v for v in g.input if v.name not in {t.name for t in g.initializer}}
+    others = list(node.input)
+    if loss in others:
+        others.remove(loss)
+    scale = others[0] if len(node.input) == 2 and len(others) == 1 else ""
+    declared = fed[scale].type.tensor_type.elem_type if scale in fed else None
+    if node.op_type != "Mul" or declared not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
+        raise ValueError(f"{where} must be the loss {loss!r} times a float graph input (the loss scale), as "
+                         f"onnxruntime's first ort_trainer.py built it; node {node.name!r} ({node.op_type}) "
+                         f"computes it from {list(node.input)}")
+    if scale_input and scale_input != scale:
+        raise ValueError(f"TrainingParameters.loss_scale_input_name {scale_input!r} is not the input node "
+                         f"{node.name!r} scales the loss by ({scale!r})")
+    readers = [n.name or n.op_type for n in g.node
+               if n is not node and (scale in n.input or scaled in n.input)]
+    if readers:
+        raise ValueError(f"{where}: node(s) {readers} also read {scale!r} or {scaled!r}; only the loss "
+                         "scaling may read them")
+    decl = onnx.ValueInfoProto()
+    decl.CopyFrom(fed[scale])
+    g.node.remove(node)
+    g.input.remove(fed[scale])
+    for vs in (g.output, g.value_info):
+        for v in [v for v in vs if v.name == scaled]:
+            vs.remove(v)
+    return decl
+
+
 def build_step_graphs(
     model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None, adasum: bool = False
 ) -> StepGraphs:
@@ -489,6 +529,10 @@ def build_step_graphs(
     user_inputs = [
         v.name for v in model.graph.input if v.name not in {t.name for t in model.graph.initializer}
     ]
+    scaling, scale_decl = {}, None  # the loss scaling the model computes itself (onnxruntime 1.2-1.3's
+    if p.use_mixed_precision and p.scaled_loss_output_name:  # clients added it)
+        scale_decl = strip_client_loss_scaling(m, loss, p.scaled_loss_output_name, p.loss_scale_input_name)
+        scaling = {"loss_scale_name": scale_decl.name, "scaled_loss_name": p.scaled_loss_output_name}
     user_outputs = [o.name for o in m.graph.output]
     if loss not in user_outputs:
         user_outputs.append(loss)
@@ -499,7 +543,13 @@ def build_step_graphs(
             raise ValueError(f"use_mixed_precision trains float32 master weights; trained weight(s) "
                              f"{halves} are {state[halves[0]].dtype}: train the half model as it is, "
                              "without use_mixed_precision, or export it in float32")
-        fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
+        fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype, **scaling)
+        if scale_decl is not None:  # fed as the client declared it (a rank-0 declaration takes [scale] too),
+            # so the product's shape is the loss's broadcast with the fed one
+            next(v for v in fwd_model.graph.input if v.name == scale_decl.name).CopyFrom(scale_decl)
+            for v in fwd_model.graph.output:
+                if v.name == p.scaled_loss_output_name:
+                    v.type.tensor_type.ClearField("shape")
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
     if p.use_memory_efficient_gradient and not any(n.op_type == "LayerNormalization" for n in m.graph.node):

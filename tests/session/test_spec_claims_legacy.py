@@ -41,6 +41,9 @@ PROPERTIES: dict[str, tuple[Any, str]] = {
     "optimizer_attributes_map": ({w: {"alpha": 0.5} for w in WEIGHTS}, "acts"),
     "optimizer_int_attributes_map": ({w: {"do_bias_correction": 0} for w in WEIGHTS}, "acts"),
     "loss_scale": (4.0, "warns"),  # unused, as in onnxruntime (spec D1)
+    # onnxruntime 1.2-1.3's names of a model's own loss scaling: read under mixed precision only
+    "scaled_loss_output_name": ("scaled_loss", "warns"),
+    "loss_scale_input_name": ("scale", "warns"),
     "world_rank": (1, "refused"),  # not started by mpiexec
     "world_size": (2, "refused"),
     "data_parallel_size": (2, "refused"),
