@@ -290,23 +290,36 @@ def test_string_feed_of_raw_bytes_keeps_every_byte() -> None:
         assert got[0].sum() == (2 if width == 4 else 0)
 
 
-def test_tree_ensemble_with_double_thresholds() -> None:
-    """test_run_model_tree_ensemble_aionnxml_3: TreeEnsembleRegressor (ai.onnx.ml 3) whose threshold is a
-    double (nodes_values_as_tensor) that float32 rounds: float64 feeds on either side of it."""
+@pytest.mark.parametrize("op", ["TreeEnsembleRegressor", "TreeEnsemble"])
+def test_tree_ensemble_with_double_thresholds(op: str) -> None:
+    """test_run_model_tree_ensemble_aionnxml_3: a tree whose threshold is a double that float32 rounds
+    (TreeEnsembleRegressor-3's nodes_values_as_tensor, float output; TreeEnsemble-5's nodes_splits, double
+    output): float64 feeds on either side of it give onnxruntime's leaves and output type."""
     thresholds = np.array([1.7999999523162842, 0.0, 0.0], np.float64)
-    weights = np.array([0.7284910678863525, 0.9134243130683899], np.float64)
-    node = helper.make_node(
-        "TreeEnsembleRegressor", ["X"], ["Y"], domain=ML, n_targets=1, nodes_treeids=[0, 0, 0],
-        nodes_nodeids=[0, 1, 2], nodes_featureids=[2, 0, 0], nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"],
-        nodes_truenodeids=[1, 0, 0], nodes_falsenodeids=[2, 0, 0], nodes_missing_value_tracks_true=[0, 0, 0],
-        nodes_values_as_tensor=numpy_helper.from_array(thresholds), target_treeids=[0, 0],
-        target_nodeids=[1, 2],
-        target_ids=[0, 0], target_weights_as_tensor=numpy_helper.from_array(weights))
+    weights = numpy_helper.from_array(np.array([0.7284910678863525, 0.9134243130683899], np.float64))
+    if op == "TreeEnsembleRegressor":
+        node = helper.make_node(
+            op, ["X"], ["Y"], domain=ML, n_targets=1, nodes_treeids=[0, 0, 0], nodes_nodeids=[0, 1, 2],
+            nodes_featureids=[2, 0, 0], nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"],
+            nodes_truenodeids=[1, 0, 0], nodes_falsenodeids=[2, 0, 0],
+            nodes_missing_value_tracks_true=[0, 0, 0],
+            nodes_values_as_tensor=numpy_helper.from_array(thresholds), target_treeids=[0, 0],
+            target_nodeids=[1, 2], target_ids=[0, 0], target_weights_as_tensor=weights)
+        out, opsets = F, {"": 17, ML: 3}
+    else:
+        node = helper.make_node(
+            op, ["X"], ["Y"], domain=ML, n_targets=1, aggregate_function=1, post_transform=0, tree_roots=[0],
+            nodes_modes=numpy_helper.from_array(np.array([0], np.uint8)), nodes_featureids=[2],
+            nodes_splits=numpy_helper.from_array(thresholds[:1]), nodes_truenodeids=[0], nodes_trueleafs=[1],
+            nodes_falsenodeids=[1], nodes_falseleafs=[1], leaf_targetids=[0, 0], leaf_weights=weights)
+        out, opsets = TensorProto.DOUBLE, {"": 21, ML: 5}
     model = _model([node], [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [None, 4])],
-                   [helper.make_tensor_value_info("Y", F, [None, 1])], {"": 17, ML: 3})
+                   [helper.make_tensor_value_info("Y", out, [None, 1])], opsets)
     iris = np.array([[0, 1, 1.7999999523162842, 3], [0, 1, 1.7999999523, 3], [0, 1, 1.79999995232, 3]])
-    for x in (iris, iris.astype(np.float32).astype(np.float64)):
-        _same_run(model, {"X": x})
+    leaves = [0.7284910678863525, 0.7284910678863525, 0.9134243130683899]
+    for x, want in ((iris, leaves), (iris.astype(np.float32).astype(np.float64), leaves[:1] * 3)):
+        got = _same_run(model, {"X": x})[0]
+        np.testing.assert_allclose(got[:, 0], want, rtol=1e-7)
 
 
 # ---------------------------------------------------- onnxruntime_test_python_nested_control_flow_op.py
