@@ -612,3 +612,45 @@ def test_first_ort_trainer_scaled_loss_must_scale_the_loss() -> None:
     m.graph.node.append(helper.make_node("Mul", ["loss", "loss"], ["scaled_loss_loss_1"]))
     with pytest.raises(ValueError, match="scaled_loss_output_name"):
         TrainingSession(m.SerializeToString(), first_trainer_params(mixed=True))
+
+
+def test_ort_trainer_binding_sequence_with_accumulation_and_mixed_precision() -> None:
+    """ORTTrainer.train_step's use of one IOBinding (runBertTrainingTest with mixed precision, accumulating
+    4): inputs and outputs bound by pointer each step; micro-steps bind the loss and
+    Group_Accumulated_Gradients and run with only_execute_path_to_fetches; the update step binds the loss and
+    all_gradients_finite over the same binding (the group output still bound) and runs normally, then
+    clear_binding_outputs. The losses, flags and weights follow the float64 Lamb."""
+    data = bert_batches(8)
+    accumulation = 4
+    sess = bert_session(gradient_accumulation_steps=accumulation, use_mixed_precision=True)
+    group = next(o.name for o in sess._outputs_meta if "Group_Accumulated_Gradients" in o.name)
+    finite = next(o.name for o in sess._outputs_meta if "all_gradients_finite" in o.name)
+    binding = sess.io_binding()
+    scale = np.array([2.0 ** 16], np.float32)
+    losses, flags = [], []
+    for i, (x, y) in enumerate(data):
+        rate = lr(LR_SCHEDULE[i])
+        for name, a in (("x", x), ("labels", y), (LR_NAME, rate), (sess.loss_scale_input_name, scale)):
+            binding.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        loss = np.zeros((), np.float32)
+        binding.bind_output("loss", "cpu", 0, np.float32, [], loss.ctypes.data)
+        if (i + 1) % accumulation:
+            flag = np.zeros([1], bool)
+            binding.bind_output(group, "cpu", 0, np.bool_, [1], flag.ctypes.data)
+            ro = RunOptions()
+            ro.only_execute_path_to_fetches = True
+            sess.run_with_iobinding(binding, ro)
+        else:
+            ok = np.zeros([1], bool)
+            binding.bind_output(finite, "cpu", 0, np.bool_, [1], ok.ctypes.data)
+            sess.run_with_iobinding(binding)
+            binding.clear_binding_outputs()
+            flags.append(bool(ok[0]))
+        losses.append(float(loss))
+    assert flags == [True, True]
+    ref_losses, ref = reference_run(data, accumulation)
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
+    state = sess.get_state()
+    np.testing.assert_array_equal(state["Step"], [3])
+    for k, v in ref.w.items():
+        np.testing.assert_allclose(state[k], v, rtol=2e-2, atol=2e-3, err_msg=k)
