@@ -70,7 +70,9 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         p = self._params
         if world().size > 1:  # MPI first: a rank raising below then aborts the job instead of leaving the
             get_communicator()  # others waiting for it in MPI_Init
-        bad = [k for k, d in refused.items() if getattr(p, k) != d]
+        # (onnxruntime 1.2-1.3's names of a loss scaling the model computes itself: one process only)
+        own_scaling = {"scaled_loss_output_name": "", "loss_scale_input_name": ""}
+        bad = [k for k, d in {**refused, **own_scaling}.items() if getattr(p, k) != d]
         if bad:
             raise NotImplementedError(
                 f"TrainingParameters option(s) {', '.join(bad)} do not combine with {self.what} yet"

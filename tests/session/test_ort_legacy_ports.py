@@ -654,3 +654,15 @@ def test_ort_trainer_binding_sequence_with_accumulation_and_mixed_precision() ->
     np.testing.assert_array_equal(state["Step"], [3])
     for k, v in ref.w.items():
         np.testing.assert_allclose(state[k], v, rtol=2e-2, atol=2e-3, err_msg=k)
+
+
+@pytest.mark.parametrize("split", [{"pipeline_parallel_size": 2, "pipeline_cut_info_string": "t"},
+                                   {"horizontal_parallel_size": 2}])
+def test_first_ort_trainer_scaled_loss_is_refused_by_split_sessions(split: dict) -> None:
+    """The pipelined and horizontally split sessions build their own loss scaling: they refuse the first
+    era's names of a model's own one, naming them, rather than leave the model's product unread."""
+    p = first_trainer_params(mixed=True)
+    for k, v in split.items():
+        setattr(p, k, v)
+    with pytest.raises(NotImplementedError, match="scaled_loss_output_name, loss_scale_input_name"):
+        TrainingSession(client_scaled_bert_model().SerializeToString(), p)
