@@ -270,8 +270,9 @@ def _as_strings(a: np.ndarray) -> np.ndarray:
     """A string input's feed as an object array of str: numpy str and bytes arrays (decoded), raw bytes
     (``np.void``) and objects other than str (``bytes`` objects too: converted with ``str``) as onnxruntime
     takes them."""
-    if a.dtype.kind == "V":
-        a = a.view(f"S{a.dtype.itemsize}")
+    if a.dtype.kind == "V":  # every byte of each element, trailing NULs too (an S view drops them)
+        flat = [x.tobytes().decode("utf-8") for x in a.reshape(-1)]
+        return np.array(flat, dtype=object).reshape(a.shape)
     if a.dtype.kind == "S":
         return np.strings.decode(a, "utf-8").astype(object)
     if a.dtype.kind == "U":

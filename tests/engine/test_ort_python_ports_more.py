@@ -275,8 +275,6 @@ def test_label_encoder_string_feeds_as_onnxruntime() -> None:
         _same_run(model, {"input": x})
 
 
-@pytest.mark.xfail(reason="np.void string feeds lose their trailing NUL bytes in onnxtrain.inference."
-                          "_as_strings (onnxruntime keeps every byte of the element)", strict=False)
 def test_string_feed_of_raw_bytes_keeps_every_byte() -> None:
     """test_run_model_mlnet: string categories with NULs inside, fed as numpy void arrays of 4 and 5 bytes."""
     model = _model([helper.make_node("OneHotEncoder", ["C1"], ["C12"], domain=ML,
