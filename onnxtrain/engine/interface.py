@@ -280,11 +280,12 @@ def _data_path(t: onnx.TensorProto, location: str, folder: str, allowed: Sequenc
         raise ModelParseError(f"{what}: tensor {t.name!r} is kept in an external file but has no location")
     rel = os.path.normpath(location)
     if os.path.isabs(rel) or rel == os.pardir or rel.startswith(os.pardir + os.sep):
-        raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, outside the "
-                              f"folder {folder}")
+        raise ModelParseError(f"External data path validation failed: {what}: tensor {t.name!r} has its "
+                              f"data at {location!r}, outside the folder {folder}")
     real = os.path.realpath(os.path.join(folder, rel))
     if not any(_within(real, root) for root in allowed):
-        raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, which resolves "
+        raise ModelParseError(f"External data path validation failed: {what}: tensor {t.name!r} has its "
+                              f"data at {location!r}, which resolves "
                               f"through symbolic links to {real}, outside the model's folder "
                               f"{' and '.join(dict.fromkeys(allowed))} (refused, as onnxruntime refuses "
                               "an external data path that escapes the model directory)")
