@@ -337,6 +337,43 @@ def test_row_scatter_add_on_the_onnxruntime_backend_keeps_every_update(rows, dty
         assert outs[0].tobytes() == InferenceSession(model, _options("numpy")).run(None, feeds)[0].tobytes()
 
 
+def test_a_row_scatter_in_a_loop_body_keeps_every_update() -> None:
+    """The same scatter inside a Loop body (run twice, its data's type unknown there): rewritten behind an If
+    in the body, twice the float64 sum, the same bits each run."""
+    from onnxtrain import InferenceSession
+    from onnxtrain.engine.ort_rewrites import for_onnxruntime
+
+    body = helper.make_graph(
+        [helper.make_node("ScatterND", ["acc_in", "indices", "updates"], ["acc_out"], reduction="add"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", T.INT64, []),
+         helper.make_tensor_value_info("cond_in", T.BOOL, []),
+         helper.make_tensor_value_info("acc_in", T.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []),
+         helper.make_tensor_value_info("acc_out", T.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
+         helper.make_node("Constant", [], ["go"], value=numpy_helper.from_array(np.array(True))),
+         helper.make_node("Loop", ["n", "go", "data"], ["out"], body=body)], "loop",
+        [helper.make_tensor_value_info("data", T.FLOAT, [1000, 128]),
+         helper.make_tensor_value_info("indices", T.INT64, ["n", 1]),
+         helper.make_tensor_value_info("updates", T.FLOAT, ["n", 128])],
+        [helper.make_tensor_value_info("out", T.FLOAT, [1000, 128])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    rewritten = for_onnxruntime(model).graph.node[-1].attribute[0].g
+    assert "If" in [n.op_type for n in rewritten.node]
+    rng = np.random.default_rng(4)
+    feeds = {"data": np.zeros((1000, 128), np.float32), "indices": rng.integers(0, 1000, (4096, 1)),
+             "updates": rng.standard_normal((4096, 128)).astype(np.float32)}
+    want = np.zeros((1000, 128))
+    np.add.at(want, feeds["indices"][:, 0], 2 * feeds["updates"].astype(np.float64))
+    sess = InferenceSession(model.SerializeToString(), _options("onnxruntime"))
+    outs = [sess.run(None, feeds)[0] for _ in range(20)]
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        assert out.tobytes() == outs[0].tobytes()
+
+
 def test_a_small_row_scatter_keeps_its_scatter_nd() -> None:
     """Below the size onnxruntime splits, the graph onnxruntime runs keeps the ScatterND (and its speed)."""
     from onnxtrain.engine.ort_rewrites import for_onnxruntime
