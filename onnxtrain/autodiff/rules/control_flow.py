@@ -48,6 +48,11 @@ def if_grad(g: GradCtx) -> None:
     branches = {}
     dy_local = [_for_body(g, g.dy(i)) for i in range(g.n_outputs)]
     recomputed, binds = _if_draws(g, label)
+    # branches whose outputs differ in rank or size (torch's export of x.squeeze(d) with d's size unknown:
+    # Squeeze or Identity) meet one incoming gradient, typed for the branch the graph's consumers fit; in
+    # the other branch, dead at run time, it would contradict the declared gradient shapes (the checker
+    # refuses the model): the gradient outputs then declare their element types only
+    loose = _branch_shapes_differ(g.node)
     for key in ("then_branch", "else_branch"):
         branch = recomputed[key]
         reads = set(captured_names(branch))
@@ -61,11 +66,33 @@ def if_grad(g: GradCtx) -> None:
         for c in wanted:
             if c not in grads:  # the branch does not read c: its gradient is zero here
                 grads[c] = _zeros_like(g, c, nodes, f"{label}_Grad_{key}")
-            outputs.append(_value_info(grads[c], g._bw.types.get(c)))
+            tp = g._bw.types.get(c)
+            outputs.append(_value_info(grads[c], _elem_only(tp) if loose else tp))
         branches[key] = helper.make_graph(nodes, f"{key}_grad", [], outputs, initializer=inits)
     outs = [g.w.names(f"{c}_grad_{label}") for c in wanted]
     g.w.nodes.append(helper.make_node("If", [g.x(0)], outs, name=g.w.names(f"{label}_Grad"), **branches))
     g.body_dxs.update(zip(wanted, outs))
+
+
+def _branch_shapes_differ(node: onnx.NodeProto) -> bool:
+    """Whether an If's two branches declare an output with different ranks or different fixed sizes."""
+    then, other = (next(a.g for a in node.attribute if a.name == k) for k in ("then_branch", "else_branch"))
+    for a, b in zip(then.output, other.output):
+        if not (a.type.tensor_type.HasField("shape") and b.type.tensor_type.HasField("shape")):
+            continue
+        da, db = a.type.tensor_type.shape.dim, b.type.tensor_type.shape.dim
+        fixed = [(x.dim_value, y.dim_value) for x, y in zip(da, db)
+                 if x.HasField("dim_value") and y.HasField("dim_value")]
+        if len(da) != len(db) or any(x != y for x, y in fixed):
+            return True
+    return False
+
+
+def _elem_only(tp: onnx.TypeProto | None) -> onnx.TypeProto | None:
+    """A tensor type without its shape (other types as they are)."""
+    if tp is None or not tp.HasField("tensor_type"):
+        return tp
+    return helper.make_tensor_type_proto(tp.tensor_type.elem_type, None)
 
 
 def _if_draws(g: GradCtx, label: str) -> tuple[dict[str, onnx.GraphProto], dict[str, dict[str, str]]]:
