@@ -490,3 +490,37 @@ def _assert_torch_run(ours: dict, case: dict, our_final: str) -> None:
     with np.load(our_final) as final:
         for n, p in params.items():
             np.testing.assert_allclose(final[n], p.detach().numpy(), atol=TOL, rtol=TOL, err_msg=n)
+
+
+def test_csharp_mobilevit_app_flow_on_onnxruntime_training_artifacts(example_runs, tmp_path):
+    """The C# MobileViT app's calls through onnxtrain's TrainingSession on onnxruntime-training's artifacts
+    (LazyResetGrad, TrainStep, OptimizerStep per batch, then ExportModelForInferencing of ``outputs``):
+    its losses, and the exported model run by onnxruntime on one image at a time as the app runs it, which
+    must give torch's eval-mode logits with the trained state (not a batch-of-one normalization)."""
+    import torch
+
+    from onnxtrain.training.api import CheckpointState, TrainingSession
+
+    ort = pytest.importorskip("onnxruntime")
+    case, theirs = example_runs["csharp_mobilevit"]
+    folder = str(tmp_path / "app")
+    shutil.copytree(case["folder"], folder)
+    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+    session = TrainingSession(state, folder + "/training_model.onnx", folder + "/eval_model.onnx",
+                              folder + "/optimizer_model.onnx")
+    data = np.load(case["data"])
+    for step in range(case["steps"]):
+        session.lazy_reset_grad()
+        loss = session.train_step([data[f"train{step}_0"], data[f"train{step}_1"]])[0]
+        session.optimizer_step()
+        np.testing.assert_allclose(loss, theirs["train"][step][0], atol=TOL, rtol=TOL, err_msg=f"step {step}")
+    session.export_model_for_inferencing(folder + "/trained_mobilevit.onnx", ["outputs"])
+    net = case["torch_net"]
+    net.load_state_dict({k: torch.from_numpy(np.array(p.data)) for k, p in state.parameters}, strict=False)
+    net.eval()
+    inference = ort.InferenceSession(folder + "/trained_mobilevit.onnx", providers=["CPUExecutionProvider"])
+    for image in data["eval_0"]:
+        with torch.no_grad():
+            expected = net(torch.from_numpy(image[None])).numpy()
+        np.testing.assert_allclose(inference.run(None, {"pixel_values": image[None]})[0], expected,
+                                   atol=TOL, rtol=TOL)
