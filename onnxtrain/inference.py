@@ -189,6 +189,7 @@ class FeedChecker:
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
+        _check_feed_mapping(feeds)
         # required inputs missing are refused before the names fed are checked, as onnxruntime's Python
         # layer checks them first (a misspelt name is then reported as the input it misses)
         missing = [n for n in (self.required if required is None else required) if n not in feeds]
@@ -215,6 +216,13 @@ class FeedChecker:
                                           f"array for input {name!r}: feed a sequence as a list, not a tuple")
                 out[name] = _container_feed(name, kind, v, self.elements.get(name))
         return out
+
+
+def _check_feed_mapping(feeds: Any) -> None:
+    """A feed that is not a mapping (a list of pairs, None) is refused with onnxruntime's AttributeError."""
+    if not (hasattr(feeds, "keys") and hasattr(feeds, "items")):
+        raise AttributeError(f"'{type(feeds).__name__}' object has no attribute 'keys': input_feed must be a "
+                             "dict of input name to value")
 
 
 def missing_inputs(missing: Sequence[str], feeds: Mapping[str, Any], inputs: Sequence[str]) -> InvalidFeed:
@@ -454,6 +462,7 @@ class InferenceSession:
         refused here, before the thread starts, as onnxruntime refuses them."""
         import threading
 
+        _check_feed_mapping(input_feed)
         missing = [n for n in self._check.required if n not in input_feed]
         if missing:
             raise missing_inputs(missing, input_feed, self._check.required)
