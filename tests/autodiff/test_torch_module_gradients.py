@@ -943,6 +943,91 @@ def _toy_bert() -> tuple[nn.Module, tuple]:
 case("toy_bert_padded_batch", "api: test_e2e_padding_elimination", _toy_bert, float32=True)
 
 
+# ops torch modules often use that the stored onnxruntime file has no test of (source "extra") -------------
+EXTRA = "extra (no onnxruntime test)"
+case(
+    "topk_values",
+    EXTRA,
+    lambda: (
+        Lambda(lambda s, x: (torch.topk(x, 3, dim=1).values, torch.topk(x, 2, dim=0, largest=False).values)),
+        (torch.rand(4, 6),),
+    ),
+)
+case(
+    "cumsum_both_ways",
+    EXTRA,
+    lambda: (
+        Lambda(lambda s, x: (torch.cumsum(x, 1), torch.cumsum(x.flip(0), 0).flip(0))),
+        (torch.rand(4, 5),),
+    ),
+)
+case(
+    "log_softmax_dims",
+    EXTRA,
+    lambda: (Lambda(lambda s, x: (F.log_softmax(x, dim=-1), F.log_softmax(x, dim=1))), (_r(2, 3, 5),)),
+)
+for approx in ("none", "tanh"):
+    case(
+        f"linear_gelu_{approx}",
+        EXTRA,
+        lambda approx=approx: (
+            Lambda(lambda s, x: F.gelu(s.fc(x), approximate=approx), fc=nn.Linear(6, 5)),
+            (_r(4, 6),),
+        ),
+        float32=True,
+    )
+case("layer_norm_affine", EXTRA, lambda: (nn.LayerNorm((3, 5)), (_r(2, 3, 5),)), float32=True)
+case(
+    "masked_fill_scores",
+    EXTRA,
+    lambda: (
+        Lambda(
+            lambda s, q, k: (
+                F.softmax((q @ k.transpose(-1, -2)).masked_fill(s.mask, float("-inf")), dim=-1) @ k
+            ),
+            mask=torch.triu(torch.ones(4, 4, dtype=torch.bool), 1),
+        ),
+        (_r(2, 4, 3), _r(2, 4, 3)),
+    ),
+)
+case(
+    "gather_scatter_index_ops",
+    EXTRA,
+    lambda: (
+        Lambda(
+            lambda s, x, idx: (
+                x.gather(1, idx),
+                torch.zeros_like(x).scatter(1, idx[:, :1], x[:, :1]),
+                x.index_select(0, torch.tensor([2, 0, 2])),
+                x[idx[:, 0]],
+            )
+        ),
+        (_r(3, 4), torch.tensor([[1, 3], [0, 0], [2, 1]])),
+    ),
+)
+case(
+    "boolean_mask_read_and_write",
+    EXTRA,
+    lambda: (
+        Lambda(
+            lambda s, x, m: (x[m], x.masked_fill(~m, 0.0), torch.where(m, x, x * 2).index_put((m,), x[m] * 3))
+        ),
+        (
+            _r(3, 4),
+            torch.tensor(
+                [[True, False, True, False], [False, False, False, False], [True, True, True, True]]
+            ),
+        ),
+    ),
+)
+for sa, sb in (((5,), (5,)), ((5,), (5, 3)), ((2, 5), (5,)), ((2, 1, 3, 5), (4, 5, 2)), ((4, 3, 5), (5, 2))):
+    case(
+        f"matmul_{'x'.join(map(str, sa))}_by_{'x'.join(map(str, sb))}",
+        EXTRA,
+        lambda sa=sa, sb=sb: (Lambda(lambda s, a, b: torch.matmul(a, b)), (_r(*sa), _r(*sb))),
+    )
+
+
 # ---- running a case ----------------------------------------------------------------------------------------
 
 
