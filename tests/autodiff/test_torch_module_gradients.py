@@ -15,7 +15,9 @@ requires one and every float input, in three ways (``style``):
 * ``ortmodule``: as ORTModule differentiates a module: the module's float outputs are the ys of a
   ``GradientGraphBuilder`` without a loss, fed their incoming gradients ``<y>_grad`` = r (zeros for an output
   the loss does not read), against ``torch.autograd.backward(outputs, r)``; the outputs are compared too;
-* ``ortmodule_dynamic``: the same on an export with every input dim dynamic, as ORTModule exports.
+* ``ortmodule_dynamic``: the same on an export with every input dim dynamic, as ORTModule exports, run
+  also with the inputs' dim 0 of size 1 and twice the export's (ORTModule reuses its graph for every batch
+  size, onnxruntime's test_ortmodule_inputs_with_dynamic_shape), where torch takes those inputs.
 
 The gradient model passes ``onnx.checker.check_model(full_check=True)``, and what it computes on onnxtrain's
 engine and on onnxruntime (CPU) must equal torch's. Cases run in float64 (module and inputs ``.double()``)
@@ -1131,88 +1133,126 @@ def _check(name: str, dtype: torch.dtype, runners: tuple[str, ...], style: str) 
     "ortmodule": as ORTModule differentiates a module: the graph's float outputs are the ys of a
     ``GradientGraphBuilder`` without a loss, each fed its incoming gradient ``<y>_grad`` (r, or zeros for an
     output the loss does not read), against ``torch.autograd.backward(outputs, r)``; "ortmodule_dynamic": the
-    same on an export whose input dims are all dynamic, as ORTModule exports."""
+    same on an export whose input dims are all dynamic, as ORTModule exports, run also at other sizes of the
+    inputs' first dim (1, and twice the export's: ORTModule reuses its graph for every batch size), where
+    torch takes them."""
     spec = CASES[name]
     module, args, weights = _make(name, dtype)
     with torch.no_grad():
-        shapes = [y.shape for y in _as_tuple(module(*args))]
+        n_out = len(_as_tuple(module(*args)))
     if style == "loss":
         module = _Loss(module, weights, spec.keep_outputs)
         model = _export(module, args, spec.opset)
     else:
-        model = _export(module, args, spec.opset, len(shapes), dynamic=style == "ortmodule_dynamic")
+        model = _export(module, args, spec.opset, n_out, dynamic=style == "ortmodule_dynamic")
 
     inits = {t.name for t in model.graph.initializer}
     given = [i.name for i in model.graph.input if i.name not in inits]
     names = [f"in{k}" if f"in{k}" in given else None for k in range(len(args))]
     params = [n for n, p in module.named_parameters() if p.requires_grad]
+    # the parameters the export left out must be those torch gives no gradient (checked at each run)
+    dropped = [p for p in params if p not in inits]
     diff_in = [k for k, a in enumerate(args) if a.is_floating_point() and names[k] is not None]
     wrt = [p for p in params if p in inits] + [names[k] for k in diff_in]
-    feeds = {names[k]: a.numpy() for k, a in enumerate(args) if names[k] is not None}
     if style == "loss":
         gmodel = build_gradient_model(model, model.graph.output[0].name, wrt)
+        ys = []
     else:
         with torch.no_grad():
             ys = [f"out{i}" for i, y in enumerate(_as_tuple(module(*args))) if y.is_floating_point()]
         builder = GradientGraphBuilder(model, ys, wrt, "")
         builder.build()
         gmodel = onnx.load_from_string(builder.get_model())
+    onnx.checker.check_model(gmodel, full_check=True)
+    sessions = {}
+    if "onnxruntime" in runners:
+        # (ConstantSharing merges equal initializers, which breaks onnxruntime's training BatchNormalization:
+        # onnxruntime#29790, see test_torch_models.py)
+        sessions["onnxruntime"] = ort.InferenceSession(
+            gmodel.SerializeToString(),
+            providers=["CPUExecutionProvider"],
+            disabled_optimizers=["ConstantSharing"],
+        )
+
+    errors = []
+    for tag, run_args in _sizes(module, args, n_out, style == "ortmodule_dynamic"):
+        if run_args is not args:  # fresh weights for the outputs' new shapes
+            with torch.no_grad():
+                outs = _as_tuple(module(*run_args))
+            g = torch.Generator().manual_seed(2)
+            weights = {i: torch.randn(outs[i].shape, generator=g, dtype=outs[i].dtype) for i in weights}
+        ts = [a.clone().requires_grad_(k in diff_in) for k, a in enumerate(run_args)]
+        module.zero_grad(set_to_none=True)
+        out = _as_tuple(module(*ts))
+        if style == "loss":
+            out[0].backward()
+        else:
+            pairs = [(out[i], r) for i, r in weights.items() if out[i].requires_grad]
+            torch.autograd.backward([y for y, _ in pairs], [r for _, r in pairs])
+        grads = {p: t.grad for p, t in module.named_parameters()}
+        grads.update({names[k]: ts[k].grad for k in diff_in})
+        assert all(grads[p] is None for p in dropped), f"parameters missing from the export: {dropped}"
+        want = {n: None if w is None else w.numpy() for n, w in grads.items()}
+        # the outputs compared: the loss (and the module's outputs with keep_outputs), or the module's outputs
+        shown = model.graph.output if spec.keep_outputs or style != "loss" else model.graph.output[:1]
+        outputs = {o.name: y.detach().numpy() for o, y in zip(shown, out)}
+
+        feeds = {names[k]: a.numpy() for k, a in enumerate(run_args) if names[k] is not None}
         fed = {i.name for i in gmodel.graph.input}
         for y in ys:
             i = int(y[3:])
             if f"{y}_grad" in fed:
                 feeds[f"{y}_grad"] = (
-                    weights[i] if i in weights else torch.zeros(shapes[i], dtype=dtype)
+                    weights[i] if i in weights else torch.zeros(out[i].shape, dtype=dtype)
                 ).numpy()
-    onnx.checker.check_model(gmodel, full_check=True)
-
-    ts = [a.clone().requires_grad_(k in diff_in) for k, a in enumerate(args)]
-    module.zero_grad(set_to_none=True)
-    out = _as_tuple(module(*ts))
-    if style == "loss":
-        out[0].backward()
-    else:
-        pairs = [(out[i], r) for i, r in weights.items() if out[i].requires_grad]
-        torch.autograd.backward([y for y, _ in pairs], [r for _, r in pairs])
-    grads = {p: t.grad for p, t in module.named_parameters()}
-    grads.update({names[k]: ts[k].grad for k in diff_in})
-    # the parameters the export left out are those torch gives no gradient
-    dropped = [p for p in params if p not in inits]
-    assert all(grads[p] is None for p in dropped), f"parameters missing from the export: {dropped}"
-    want = {n: None if w is None else w.numpy() for n, w in grads.items()}
-    # the outputs compared: the loss (and the module's outputs with keep_outputs), or the module's outputs
-    shown = model.graph.output if spec.keep_outputs or style != "loss" else model.graph.output[:1]
-    outputs = {o.name: y.detach().numpy() for o, y in zip(shown, out)}
-
-    runs = {}
-    if "engine" in runners:
-        runs["engine"] = run_engine(gmodel, feeds)
-    if "onnxruntime" in runners:
-        # (ConstantSharing merges equal initializers, which breaks onnxruntime's training BatchNormalization:
-        # onnxruntime#29790, see test_torch_models.py)
-        sess = ort.InferenceSession(
-            gmodel.SerializeToString(),
-            providers=["CPUExecutionProvider"],
-            disabled_optimizers=["ConstantSharing"],
+        runs = {}
+        if "engine" in runners:
+            runs["engine"] = run_engine(gmodel, feeds)
+        for runner, sess in sessions.items():
+            runs[runner] = sess.run(None, feeds)
+        # 1e-3 of the case's largest gradient: the scale of the roundoff in a gradient that is exactly 0
+        floor = 1e-3 * max(
+            (float(np.abs(w).max()) for w in want.values() if w is not None and w.size), default=0.0
         )
-        runs["onnxruntime"] = sess.run(None, feeds)
-    # 1e-3 of the case's largest gradient: the scale of the roundoff in a gradient that is exactly 0
-    floor = 1e-3 * max(
-        (float(np.abs(w).max()) for w in want.values() if w is not None and w.size), default=0.0
-    )
-    errors = []
-    for runner, values in runs.items():
-        got = dict(zip([o.name for o in gmodel.graph.output], values))
-        for o, y in outputs.items():  # integer outputs (indices, masks) exactly
-            if y.dtype.kind == "f":
-                errors.append(_close(f"{runner} output {o}", got[o], y, dtype, 0.0))
-            elif not np.array_equal(got[o], y):
-                errors.append(f"{runner} output {o}: {got[o].tolist()} vs torch {y.tolist()}")
-        for n in wrt:
-            g = got[f"{n}_grad"]
-            w = np.zeros(g.shape) if want[n] is None else want[n]
-            errors.append(_close(f"{runner} {n}", g, w, dtype, floor))
+        for runner, values in runs.items():
+            got = dict(zip([o.name for o in gmodel.graph.output], values))
+            what = f"{runner}{tag}"
+            for o, y in outputs.items():  # integer outputs (indices, masks) exactly
+                if y.dtype.kind == "f":
+                    errors.append(_close(f"{what} output {o}", got[o], y, dtype, 0.0))
+                elif not np.array_equal(got[o], y):
+                    errors.append(f"{what} output {o}: {got[o].tolist()} vs torch {y.tolist()}")
+            for n in wrt:
+                g = got[f"{n}_grad"]
+                w = np.zeros(g.shape) if want[n] is None else want[n]
+                errors.append(_close(f"{what} {n}", g, w, dtype, floor))
     return [e for e in errors if e]
+
+
+def _sizes(module: nn.Module, args: tuple, n_out: int, others: bool) -> list[tuple[str, tuple]]:
+    """The inputs to run at, each with a tag for messages: ``args``, and with ``others`` their first entries
+    along dim 0 and the inputs repeated twice along it (float values other than 0/1 masks scaled by 1 + ε,
+    ε ~ 1e-3, against ties), those torch takes with as many outputs."""
+    out = [("", args)]
+    if not others or not all(a.dim() > 0 and a.shape[0] > 1 for a in args):
+        return out
+    g = torch.Generator().manual_seed(4)
+
+    def doubled(a: torch.Tensor) -> torch.Tensor:
+        b = a.repeat(2, *[1] * (a.dim() - 1))
+        if not a.is_floating_point() or bool(((a == 0) | (a == 1)).all()):
+            return b
+        return b * (1 + 1e-3 * torch.randn(b.shape, generator=g, dtype=b.dtype))
+
+    for n, new in ((1, tuple(a[:1] for a in args)), (2 * args[0].shape[0], tuple(doubled(a) for a in args))):
+        try:
+            with torch.no_grad():
+                if len(_as_tuple(module(*new))) != n_out:
+                    continue
+        except Exception:  # noqa: BLE001 - torch refuses that size (fixed-size buffers, index ranges)
+            continue
+        out.append((f" (dim 0 = {n})", new))
+    return out
 
 
 # the cases run on dynamic-axes exports by default (the others with ONNXTRAIN_FULL_TESTS=1): those whose
