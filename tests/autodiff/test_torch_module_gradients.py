@@ -611,6 +611,19 @@ case(
     ),
 )
 case(
+    "squeeze_intermediate_then_conv1d",
+    "api: test_squeeze_custom_symbolic_registry (an intermediate squeezed)",
+    lambda: (
+        Lambda(
+            lambda s, x: s.conv(torch.relu(s.lin(x)).squeeze(1)).sum(dim=2) @ s.w,
+            lin=nn.Linear(5, 6),
+            conv=nn.Conv1d(3, 4, 2),
+            w=torch.randn(4, 2),
+        ),
+        (_r(2, 1, 3, 5),),
+    ),
+)
+case(
     "cast_chain_bool_mask",
     "api: test_gradient_correctness_cast_chain",
     lambda: (
@@ -1259,6 +1272,7 @@ def _sizes(module: nn.Module, args: tuple, n_out: int, others: bool) -> list[tup
 # export reads its input shapes at run time
 DYNAMIC_DEFAULT = {
     "squeeze_then_conv",
+    "squeeze_intermediate_then_conv1d",
     "slice_past_end",
     "chunk_dim_1",
     "diagonal_dims_02",
