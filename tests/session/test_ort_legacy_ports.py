@@ -404,6 +404,19 @@ def reference_run(data, accumulation: int) -> tuple[list[float], LambReference]:
     return losses, ref
 
 
+def assert_follows_reference(sess: TrainingSession, losses: list[float], data, accumulation: int,
+                             half: bool) -> LambReference:
+    """The session's losses and weights against :func:`reference_run`'s float64 Lamb (within half
+    precision's error when ``half``); returns the reference."""
+    ref_losses, ref = reference_run(data, accumulation)
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3 if half else 2e-5)
+    state = sess.get_state()
+    rtol, atol = (2e-2, 2e-3) if half else (2e-4, 2e-5)
+    for k, v in ref.w.items():
+        np.testing.assert_allclose(state[k], v, rtol=rtol, atol=atol, err_msg=k)
+    return ref
+
+
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_bert_lamb_training_and_eval_match_reference(accumulation: int) -> None:
     """testBertTrainingBasic / testBertTrainingGradientAccumulation: Lamb with per-weight decay and ε, a
@@ -413,11 +426,8 @@ def test_bert_lamb_training_and_eval_match_reference(accumulation: int) -> None:
     data = bert_batches(8)
     sess = bert_session(gradient_accumulation_steps=accumulation)
     losses, _ = train_like_ort_trainer(sess, data, accumulation)
-    ref_losses, ref = reference_run(data, accumulation)
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    ref = assert_follows_reference(sess, losses, data, accumulation, half=False)
     state = sess.get_state()
-    for k, v in ref.w.items():
-        np.testing.assert_allclose(state[k], v, rtol=2e-4, atol=2e-5, err_msg=k)
     np.testing.assert_array_equal(state["Step"], [1 + len(data) // accumulation])
     # eval_step after the training: the loss at the trained weights, nothing updated (not even Step)
     x, y = bert_batches(1, 24, seed=50)[0]
@@ -458,11 +468,7 @@ def test_bert_mixed_precision_flags_and_losses(accumulation: int) -> None:
     sess = bert_session(gradient_accumulation_steps=accumulation, use_mixed_precision=True)
     losses, finites = train_like_ort_trainer(sess, data, accumulation, mixed=True)
     assert finites == [True] * (len(data) // accumulation)
-    ref_losses, ref = reference_run(data, accumulation)
-    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
-    state = sess.get_state()
-    for k, v in ref.w.items():
-        np.testing.assert_allclose(state[k], v, rtol=2e-2, atol=2e-3, err_msg=k)
+    ref = assert_follows_reference(sess, losses, data, accumulation, half=True)
     x, y = bert_batches(1, 24, seed=50)[0]
     eval_loss, = sess.run(["loss"], {"x": x, "labels": y}, eval_options())
     wt = {k: torch.tensor(v) for k, v in ref.w.items()}
@@ -599,11 +605,7 @@ def test_first_ort_trainer_mixed_precision_with_its_own_scaled_loss(accumulation
             finites.append(bool(np.asarray(ok).reshape(-1)[0]))
         losses.append(float(loss))
     assert finites == [True] * (len(data) // accumulation)
-    ref_losses, ref = reference_run(data, accumulation)
-    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
-    state = sess.get_state()
-    for k, v in ref.w.items():
-        np.testing.assert_allclose(state[k], v, rtol=2e-2, atol=2e-3, err_msg=k)
+    assert_follows_reference(sess, losses, data, accumulation, half=True)
 
 
 def test_first_ort_trainer_scaled_loss_must_scale_the_loss() -> None:
@@ -648,12 +650,8 @@ def test_ort_trainer_binding_sequence_with_accumulation_and_mixed_precision() ->
             flags.append(bool(ok[0]))
         losses.append(float(loss))
     assert flags == [True, True]
-    ref_losses, ref = reference_run(data, accumulation)
-    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
-    state = sess.get_state()
-    np.testing.assert_array_equal(state["Step"], [3])
-    for k, v in ref.w.items():
-        np.testing.assert_allclose(state[k], v, rtol=2e-2, atol=2e-3, err_msg=k)
+    assert_follows_reference(sess, losses, data, accumulation, half=True)
+    np.testing.assert_array_equal(sess.get_state()["Step"], [3])
 
 
 @pytest.mark.parametrize("split", [{"pipeline_parallel_size": 2, "pipeline_cut_info_string": "t"},
