@@ -49,6 +49,16 @@ _arena_lock = threading.Lock()
 _arena: list[bool] = []  # [registered]: shared_cpu_arena's result, once per process
 
 
+def intra_op_threads(options: Any) -> int | None:
+    """The intra-op threads onnxruntime runs a plan's graph on under ``options``: theirs when set above 0,
+    else this rank's share of the host's CPUs in an MPI job of several ranks here, else None (its own
+    default)."""
+    intra = getattr(options, "intra_op_num_threads", None)
+    if isinstance(intra, int) and intra > 0:
+        return intra
+    return default_width() if local_ranks() > 1 else None
+
+
 def _unread_feed(tp: onnx.TypeProto) -> np.ndarray:
     """An empty array of a tensor input's type and declared rank (its unnamed and symbolic dims 0, its fixed
     ones as declared), fed for an input that a path-only run does not read."""
@@ -121,7 +131,8 @@ class OrtPlan(GraphInterface):
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
         # that speed it up unless optimisations are off
-        self.onnxruntime_model = for_onnxruntime(model, optimise=not optimizations_off(options))
+        self.onnxruntime_model = for_onnxruntime(model, optimise=not optimizations_off(options),
+                                                 threads=intra_op_threads(options))
         # the labels' range checks: the node that fails → the loss and the error raised then
         self._label_checks = label_range_messages(self.onnxruntime_model)
         # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)
@@ -183,7 +194,7 @@ class OrtPlan(GraphInterface):
         intra = getattr(options, "intra_op_num_threads", None)
         if not (isinstance(intra, int) and intra > 0) and local_ranks() > 1:
             # MPI ranks sharing a host: each takes its share of the CPUs, as the numpy engine and its BLAS do
-            so.intra_op_num_threads = default_width()
+            so.intra_op_num_threads = intra_op_threads(options)
         # onnxruntime's memory planning, as the caller set it (training graphs run one shape per step, so
         # enable_mem_pattern=False lowers the peak without slowing the step: see the README)
         for key in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"):

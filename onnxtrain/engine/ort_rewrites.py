@@ -82,11 +82,11 @@ GlobalAveragePool, ...) become standard ops that have one (:mod:`onnxtrain.engin
 onnxruntime's optimisations off. So do float16 MeanVarianceNormalization and GlobalLpPool from opset 22,
 which onnxruntime cannot load (:mod:`onnxtrain.engine.ort_half_ops`).
 
-A ScatterND that combines rows (reduction add, mul, min or max; one index per tuple: a Gather's gradient)
-and is large enough for onnxruntime to split over threads becomes a ScatterElements over the flattened data
-(:mod:`onnxtrain.engine.ort_scatter_nd`), even with onnxruntime's optimisations off: onnxruntime's threads
-combined rows of a repeated index without a lock and lost updates (an embedding's gradient off by whole
-values, other bits at every run).
+A ScatterND that combines values (reduction add, mul, min or max: a Gather's or GatherND's gradient) and is
+large enough for onnxruntime to split over threads becomes a ScatterElements over the flattened data
+(:mod:`onnxtrain.engine.ort_scatter_nd`), even with onnxruntime's optimisations off, unless onnxruntime
+runs the graph on one intra-op thread: onnxruntime's threads combined the updates of a repeated index tuple
+without a lock and lost some (an embedding's gradient off by whole values, other bits at every run).
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
@@ -153,7 +153,8 @@ def _lazy_types(current: Callable[[], onnx.ModelProto], types: dict) -> Callable
     return typed
 
 
-def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
+def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
+                    threads: int | None = None) -> onnx.ModelProto:
     """The graph onnxruntime runs for ``model``: its label losses' check (:func:`checked_labels`, whatever
     ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
     reuse the value types the check inferred, and Bernoulli's probabilities complemented
@@ -163,22 +164,24 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
     give the forward Dropout's values). ``model`` itself when nothing applies. Pools whose ceil_mode window
     count ONNX's inference gets wrong take the pads that make it right first (:mod:`onnxtrain.ir.ceil_pools`;
     a model read through :func:`~onnxtrain.engine.interface.standard_model` has them already), so that the
-    value types every rewrite reads, and onnxruntime's plan, have the run's dims."""
+    value types every rewrite reads, and onnxruntime's plan, have the run's dims. ``threads``: the intra-op
+    threads onnxruntime will run the graph on (None: its default)."""
     types: dict = {}
     model = ceil_mode_pools(model)
     checked = checked_labels(model, _lazy_types(lambda: model, types))
-    return dropout_rebuilds(bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types)))
+    return dropout_rebuilds(bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types, threads)))
 
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
-                            types: dict | None = None) -> onnx.ModelProto:
+                            types: dict | None = None, threads: int | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
     load or run the graph (or run it right): the BatchNormalization outputs', half-precision scatters',
     combining row ScatterNDs (:mod:`~onnxtrain.engine.ort_scatter_nd`), dilated SAME Convs' and pools' pads,
     SAME ConvTransposes' pads, ConvTransposes' large output_paddings, float64 ops without a float64 kernel
     and the float16 ops and GlobalLpPool onnxruntime cannot load.
-    ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
+    ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them).
+    ``threads``: onnxruntime's intra-op threads (None: its default); on one, the ScatterNDs stay."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
     typed = _lazy_types(lambda: model, types)
@@ -190,7 +193,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = equal_rank_operands(pads_as_concat(model, typed), typed)
     model = same_conv_transposes(dilated_same_pads(model, typed), typed)
     model = large_output_paddings(output_shape_conv_transposes(model, typed))
-    model = serial_scatter_nds(half_scatters_in_float32(model, typed), typed)
+    model = serial_scatter_nds(half_scatters_in_float32(model, typed), typed, threads)
     model = float64_ops(inference_batch_norms(model), typed)
     return half_ops(model, typed)
 
