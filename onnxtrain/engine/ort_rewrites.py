@@ -83,10 +83,11 @@ onnxruntime's optimisations off. So do float16 MeanVarianceNormalization and Glo
 which onnxruntime cannot load (:mod:`onnxtrain.engine.ort_half_ops`).
 
 A ScatterND that combines values (reduction add, mul, min or max: a Gather's or GatherND's gradient) and is
-large enough for onnxruntime to split over threads becomes a ScatterElements over the flattened data
-(:mod:`onnxtrain.engine.ort_scatter_nd`), even with onnxruntime's optimisations off, unless onnxruntime
-runs the graph on one intra-op thread: onnxruntime's threads combined the updates of a repeated index tuple
-without a lock and lost some (an embedding's gradient off by whole values, other bits at every run).
+large enough for onnxruntime to split over threads becomes a chain of ScatterNDs over pieces of its tuples,
+each too small to be split (:mod:`onnxtrain.engine.ort_scatter_nd`), even with onnxruntime's optimisations
+off, unless onnxruntime runs the graph on one intra-op thread: onnxruntime's threads combined the updates of
+a repeated index tuple without a lock and lost some (an embedding's gradient off by whole values, other
+bits at every run).
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even

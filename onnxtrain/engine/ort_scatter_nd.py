@@ -1,5 +1,6 @@
 """Combining ScatterNDs (a reduction: the gradient of a Gather such as an embedding's, or of a GatherND such
-as torch's ``x[i, j]``) rewritten for onnxruntime as a ``ScatterElements`` over the flattened data.
+as torch's ``x[i, j]``) run by onnxruntime as a chain of ScatterNDs over pieces of the index tuples, each
+too small for onnxruntime to split over threads.
 
 onnxruntime's CPU ScatterND hands its index tuples out to the intra-op threads in blocks and combines each
 update into its data row with a plain read-modify-write, no lock: when two threads hold tuples naming one
@@ -10,28 +11,26 @@ values reach 9.6; the 2-layer transformer encoder trained on the onnxruntime bac
 and weights from one run to the next (from the fourth step on). Tuples of two indices race alike (4096
 tuples of 600 distinct values into a 30 × 20 × 64 table: 84 to 181 of 300 runs wrong, by up to 5.0).
 
-onnxruntime splits such a loop only when Eigen's cost model, which counts one cycle per element to
-combine, gives it two threads or more (210,000 elements and up): a scatter of fewer than
-:data:`SERIAL_ELEMENTS` update elements (known before the run) stays as it is, and one whose count is
-known only at run time takes an ``If`` on it (``Size(updates)``) between the ScatterND and its rewrite.
-A graph onnxruntime runs on one intra-op thread keeps its ScatterNDs: they are serial there. For tuples
-of one index:
+onnxruntime splits the loop over tuples only when Eigen's cost model, which counts one cycle per element
+to combine, gives it two threads or more: ``(elements − 100000) / 100000 + 0.9 ≥ 2``, 210,000 update
+elements and up, whatever the pool's size (a scatter of 180,000 never lost an update at 2 or 8 threads).
+So a scatter of fewer than :data:`SERIAL_ELEMENTS` update elements stays as it is, and a larger one
+becomes ScatterNDs of :data:`PIECE_ELEMENTS` elements or fewer (at least one tuple each), each combining
+into the previous one's output:
 
-    R    = ReduceProd(Shape(data, start=1))                  elements of one data row
-    pos  = Reshape(Reshape(indices, [-1, 1]) · R + Range(0, R, 1), [-1])
-    out  = Reshape(ScatterElements(Reshape(data, [-1]), pos, Reshape(updates, [-1]), axis=0), Shape(data))
+    out_0 = data;  out_p = ScatterND(out_{p-1}, indices[p·t : (p+1)·t], updates[p·t : (p+1)·t])
 
-A negative index ``i`` (≥ −rows) gives ``i·R + j`` ≥ −rows·R, the same element counted from the end of the
-flat data, and an index out of range stays out of range there, so ScatterElements refuses what ScatterND
-refused. Tuples of ``k`` > 1 indices start at ``Σ i_m · stride_m`` (``stride_m`` the product of data's
-dims after axis ``m``, ``R`` that after axis ``k − 1``), each negative ``i_m`` first taken from the end
-of its axis; there one index out of range could land on another row, so a tuple holding one starts at
-``Size(data)`` instead (a ``Where``), out of the flat data's range, and ScatterElements refuses it.
+(``t`` tuples a piece, indices as [tuples, k] and updates as [tuples, *data.shape[k:]]). Each piece runs on
+one thread in tuple order and the pieces run in order, so every element combines its updates in index
+order: a serial ScatterND's values, and the numpy engine's kernel's, bit for bit; negative indices and
+tuples out of range are ScatterND's own business still (its errors). When the sizes are known before the
+run the pieces are Slices of constant bounds; else a Loop over the pieces, behind an ``If`` on
+``Size(updates)`` that keeps the plain ScatterND for the small scatters. A graph onnxruntime runs on one
+intra-op thread keeps its ScatterNDs: they are serial there.
 
-ScatterElements over one axis of a 1-D tensor walks its updates in order on one thread, so each element
-combines its updates in index order: the values of a serial ScatterND, and of the numpy engine's kernel,
-bit for bit. It is slower (about 1 ms against 0.09 ms for the 2048 × 128 gradient above), which is why
-the small scatters keep their ScatterND.
+The pieces cost next to nothing (the 2048 × 128 gradient above: 0.245 ms in two pieces against 0.243 for
+the racy ScatterND, minimum of 400 runs); the single ScatterElements over the flattened data this module
+made before took 1.06 ms.
 """
 
 from __future__ import annotations
@@ -41,12 +40,14 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
-SERIAL_ELEMENTS = 1 << 15  # update elements below which onnxruntime combines a ScatterND on one thread
+SERIAL_ELEMENTS = 200_000  # update elements below which onnxruntime's ScatterND runs on one thread (210,000)
+PIECE_ELEMENTS = 1 << 17  # update elements of one piece at most (unless one tuple holds more)
+_MAX_CHAIN = 32  # pieces laid out as nodes at most; more take a Loop
 _MIN_OPSET = 16  # ScatterND's reduction (and Shape's start, from 15)
 
 
@@ -57,16 +58,16 @@ def _combines(node: onnx.NodeProto) -> bool:
 
 def serial_scatter_nds(model: onnx.ModelProto, typed: Callable[[], dict],
                        threads: int | None = None) -> onnx.ModelProto:
-    """``model`` with each combining ScatterND that onnxruntime could split over threads computed as the
-    ScatterElements of the module docstring (a copy), or ``model`` itself. ``typed()``: the model's value
-    types (names the rewrites before this one made may be missing). ``threads``: onnxruntime's intra-op
-    threads (None: its default); on one, its ScatterND runs serially and stays."""
+    """``model`` with each combining ScatterND that onnxruntime could split over threads computed in pieces
+    as the module docstring says (a copy), or ``model`` itself. ``typed()``: the model's value types (names
+    the rewrites before this one made may be missing). ``threads``: onnxruntime's intra-op threads (None:
+    its default); on one, its ScatterNDs run serially and stay."""
     opset = next((int(o.version) for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 0)
     if (threads == 1 or opset < _MIN_OPSET
             or not any(_combines(n) for g in walk_graphs(model.graph) for n in g.node)):
         return model
     types = typed()
-    plans: dict[int, dict[int, tuple[int, int | None]]] = {}  # graph → node → (k, an If's element type)
+    plans: dict[int, dict[int, _Plan]] = {}  # graph → node → its plan
     graphs = list(walk_graphs(model.graph))
     for k, g in enumerate(graphs):
         made_by_cast = {n.output[0]: a.i for n in g.node if n.op_type == "Cast"
@@ -88,20 +89,31 @@ def serial_scatter_nds(model: onnx.ModelProto, typed: Callable[[], dict],
         g = out_graphs[k]
         nodes: list[onnx.NodeProto] = []
         for j, n in enumerate(g.node):
-            if j not in plans[k]:
+            plan = plans[k].get(j)
+            if plan is None:
                 nodes.append(n)
-            elif plans[k][j][1] is None:  # too large: the rewrite at every run
-                nodes.extend(_flat_scatter(n, n.output[0], names, plans[k][j][0]))
+            elif plan.sizes is not None:  # sizes known and large: the pieces as nodes
+                nodes.extend(_chain(n, plan.k, *plan.sizes, names))
+            elif plan.large:  # too large, some size unknown: the Loop at every run
+                nodes.extend(_looped(n, n.output[0], plan.k, plan.elem_type, names))
             else:
-                nodes.extend(_guarded(n, plans[k][j][1], names, plans[k][j][0]))
+                nodes.extend(_guarded(n, plan, names))
         del g.node[:]
         g.node.extend(nodes)
     return out
 
 
-def _plan(n: onnx.NodeProto, types: dict, made_by_cast: dict[str, int]) -> tuple[int, int | None] | None:
-    """None: leave ``n``; else its tuples' length ``k`` and None (rewrite it) or an element type (rewrite it
-    behind an If on the updates' size; the type of the If's result, 0 when unknown)."""
+class _Plan:
+    """How a ScatterND is rewritten: its tuples' length ``k``; ``sizes`` (tuples, elements per tuple) when
+    known and worth a chain of pieces; ``large``: too large for one thread whatever the run; ``elem_type``:
+    its data's element type (0 when unknown)."""
+
+    def __init__(self, k: int, sizes: tuple[int, int] | None, large: bool, elem_type: int) -> None:
+        self.k, self.sizes, self.large, self.elem_type = k, sizes, large, elem_type
+
+
+def _plan(n: onnx.NodeProto, types: dict, made_by_cast: dict[str, int]) -> _Plan | None:
+    """None: leave ``n`` (small enough for one thread, or its tuples' length unknown)."""
     indices = _dims(types.get(n.input[1]))
     k = indices[-1] if indices else None
     if not isinstance(k, int) or k < 1:
@@ -109,12 +121,20 @@ def _plan(n: onnx.NodeProto, types: dict, made_by_cast: dict[str, int]) -> tuple
     data = _dims(types.get(n.input[0]))
     if data is not None and len(data) < k:
         return None  # onnxruntime's own error
-    updates = _dims(types.get(n.input[2]))
-    if updates is not None and all(isinstance(d, int) for d in updates):
-        return (k, None) if math.prod(updates) >= SERIAL_ELEMENTS else None
     data_type = types.get(n.input[0]) or types.get(n.output[0])
     et = data_type.tensor_type.elem_type if data_type is not None and data_type.HasField("tensor_type") else 0
-    return k, et or made_by_cast.get(n.input[0], 0)
+    et = et or made_by_cast.get(n.input[0], 0)
+    updates = _dims(types.get(n.input[2]))
+    if updates is not None and all(isinstance(d, int) for d in updates):
+        if math.prod(updates) < SERIAL_ELEMENTS:
+            return None
+        lead = len(indices) - 1
+        tuples, row = math.prod(updates[:lead]), math.prod(updates[lead:])
+        per = max(1, PIECE_ELEMENTS // max(row, 1))
+        if -(-tuples // per) <= _MAX_CHAIN:
+            return _Plan(k, (tuples, row), True, et)
+        return _Plan(k, None, True, et)
+    return _Plan(k, None, False, et)
 
 
 def _dims(tp: onnx.TypeProto | None) -> list[int | None] | None:
@@ -124,12 +144,12 @@ def _dims(tp: onnx.TypeProto | None) -> list[int | None] | None:
     return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
 
 
-def _flat_scatter(n: onnx.NodeProto, result: str, names: NameGen, k: int = 1) -> list[onnx.NodeProto]:
-    """Nodes computing ScatterND ``n`` (``k`` indices per tuple) as a ScatterElements over the flat data,
-    into ``result``."""
+def _piece_inputs(n: onnx.NodeProto, k: int, result: str, names: NameGen,
+                  nodes: list[onnx.NodeProto]) -> tuple[str, str, Callable[..., str]]:
+    """Nodes (appended to ``nodes``) making ``n``'s indices [tuples, k] and updates [tuples, *rows]; returns
+    their names and the node maker used."""
     data, indices, updates = n.input
     base = n.name or "ScatterND"
-    nodes: list[onnx.NodeProto] = []
 
     def make(op: str, ins: list[str], what: str, **attrs: object) -> str:
         value = names(f"{result}/{what}")
@@ -139,67 +159,105 @@ def _flat_scatter(n: onnx.NodeProto, result: str, names: NameGen, k: int = 1) ->
     def const(what: str, value: np.ndarray) -> str:
         return make("Constant", [], what, value=numpy_helper.from_array(value))
 
-    flat_shape = const("flat_shape", np.array([-1], np.int64))
-    row = make("ReduceProd", [make("Shape", [data], "row_dims", start=k)], "row_size", keepdims=0)
-    offsets = make("Range", [const("zero", np.array(0, np.int64)), row, const("one", np.array(1, np.int64))],
-                   "row_offsets")
-    if k == 1:
-        starts = make("Mul", [make("Reshape", [indices, const("column", np.array([-1, 1], np.int64))],
-                                   "rows"), row], "row_starts")
-    else:
-        starts = _tuple_starts(make, const, data, indices, k)
-    positions = make("Reshape", [make("Add", [starts, offsets], "positions_2d"), flat_shape], "positions")
-    scatter = helper.make_node(
-        "ScatterElements",
-        [make("Reshape", [data, flat_shape], "flat_data"), positions,
-         make("Reshape", [updates, flat_shape], "flat_updates")],
-        [names(f"{result}/flat")], name=names(base), axis=0)
-    scatter.attribute.extend(a for a in n.attribute if a.name == "reduction")
-    nodes.append(scatter)
-    shape = make("Shape", [data], "shape")
-    nodes.append(helper.make_node("Reshape", [scatter.output[0], shape], [result],
-                                  name=names(f"{base}/back")))
+    tuples = make("Reshape", [indices, const("tuple_shape", np.array([-1, k], np.int64))], "tuples")
+    rows_shape = make("Concat", [const("any", np.array([-1], np.int64)),
+                                 make("Shape", [data], "row_dims", start=k)], "rows_shape", axis=0)
+    rows = make("Reshape", [updates, rows_shape], "rows")
+    return tuples, rows, make
+
+
+def _int64s(v: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array([v], np.int64))
+
+
+def _scatter(n: onnx.NodeProto, ins: list[str], out: str, name: str) -> onnx.NodeProto:
+    node = helper.make_node("ScatterND", ins, [out], name=name)
+    node.attribute.extend(a for a in n.attribute if a.name == "reduction")
+    return node
+
+
+def _chain(n: onnx.NodeProto, k: int, tuples: int, row: int, names: NameGen) -> list[onnx.NodeProto]:
+    """ScatterND ``n`` as ScatterNDs of pieces of constant bounds (``tuples`` of ``row`` elements)."""
+    base = n.name or "ScatterND"
+    nodes: list[onnx.NodeProto] = []
+    idx, upd, make = _piece_inputs(n, k, n.output[0], names, nodes)
+    per = max(1, PIECE_ELEMENTS // max(row, 1))
+    acc = n.input[0]
+    starts = list(range(0, tuples, per))
+    for p, start in enumerate(starts):
+        bounds = [make("Constant", [], f"piece_{p}_{w}", value=_int64s(v))
+                  for w, v in (("start", start), ("end", min(start + per, tuples)))]
+        piece = [make("Slice", [x, *bounds], f"piece_{p}_{what}")
+                 for x, what in ((idx, "tuples"), (upd, "rows"))]
+        out = n.output[0] if p == len(starts) - 1 else names(f"{n.output[0]}/after_piece_{p}")
+        nodes.append(_scatter(n, [acc, *piece], out, names(f"{base}/piece_{p}")))
+        acc = out
     return nodes
 
 
-def _tuple_starts(make: Callable[..., str], const: Callable[[str, np.ndarray], str], data: str, indices: str,
-                  k: int) -> str:
-    """[tuples, 1]: the flat position of each tuple's first element, Σ index_j · stride_j over its ``k``
-    indices (each negative one counted from the end of its axis); Size(data) for a tuple with an index
-    out of range, which no element of that row can reach, so that ScatterElements refuses it."""
-    one = const("one_dim", np.array([1], np.int64))
-    # stride_j = Π data.shape[j+1:]: the product of the dims after j (and 1, for the last axis's)
-    after = [make("Concat", [make("Shape", [data], f"after_{j}", start=j + 1), one], f"after_{j}_or_1",
-                  axis=0) for j in range(k)]
-    strides = make("Concat", [make("ReduceProd", [a], f"stride_{j}", keepdims=1)
-                              for j, a in enumerate(after)], "strides", axis=0)
-    dims = make("Shape", [data], "tuple_dims", end=k)
-    tuples = make("Reshape", [indices, const("tuple_shape", np.array([-1, k], np.int64))], "tuples")
-    zero = const("zero_index", np.array(0, np.int64))
-    negative = make("Less", [tuples, zero], "negative")
-    wrapped = make("Where", [negative, make("Add", [tuples, dims], "from_end"), tuples], "wrapped")
-    outside = make("Or", [make("Less", [wrapped, zero], "below"),
-                          make("GreaterOrEqual", [wrapped, dims], "above")], "outside")
-    # each term ≥ 0 in range; one out of range is Size(data) itself, and all of them sum to that or more
-    terms = make("Where", [outside, make("Size", [data], "data_size"),
-                           make("Mul", [wrapped, strides], "scaled")], "terms")
-    return make("ReduceSum", [terms, one], "row_starts", keepdims=1)
+def _looped(n: onnx.NodeProto, result: str, k: int, elem_type: int, names: NameGen) -> list[onnx.NodeProto]:
+    """ScatterND ``n`` as a Loop over pieces of its tuples, into ``result``."""
+    base = n.name or "ScatterND"
+    nodes: list[onnx.NodeProto] = []
+    idx, upd, make = _piece_inputs(n, k, result, names, nodes)
+
+    def const(what: str, value: np.ndarray) -> str:
+        return make("Constant", [], what, value=numpy_helper.from_array(value))
+
+    one = const("one", np.array(1, np.int64))
+    row = make("ReduceProd", [make("Concat", [make("Shape", [n.input[0]], "row_dims_of_data", start=k),
+                                              const("one_dim", np.array([1], np.int64))], "row_dims_or_1",
+                                 axis=0)], "row_size", keepdims=0)
+    per = make("Max", [make("Div", [const("piece", np.array(PIECE_ELEMENTS, np.int64)), row], "fit"), one],
+               "per_piece")
+    count = make("Squeeze", [make("Shape", [idx], "tuple_count", end=1)], "tuples_count")
+    trips = make("Div", [make("Add", [count, make("Sub", [per, one], "per_less_one")], "rounded_up"), per],
+                 "pieces")
+    # the body: piece i of the tuples and rows, combined into the data carried from piece to piece
+    i, cond_in, acc_in = names(f"{base}/piece"), names(f"{base}/go"), names(f"{base}/acc")
+    acc_out, cond_out = names(f"{base}/acc_next"), names(f"{base}/go_next")
+    body_nodes: list[onnx.NodeProto] = []
+
+    def body(op: str, ins: list[str], what: str, **attrs: object) -> str:
+        value = names(f"{result}/{what}")
+        body_nodes.append(helper.make_node(op, ins, [value], name=names(f"{base}/{what}"), **attrs))
+        return value
+
+    axis = body("Constant", [], "axis_0", value=numpy_helper.from_array(np.array([0], np.int64)))
+    start = body("Unsqueeze", [body("Mul", [i, per], "start_scalar"), axis], "start")
+    end = body("Add", [start, per], "end")
+    piece = [body("Slice", [x, start, end], f"piece_{what}") for x, what in ((idx, "tuples"), (upd, "rows"))]
+    body_nodes.append(_scatter(n, [acc_in, *piece], acc_out, names(f"{base}/piece_scatter")))
+    body_nodes.append(helper.make_node("Identity", [cond_in], [cond_out], name=names(f"{base}/go_on")))
+
+    def typed(name: str) -> onnx.ValueInfoProto:
+        return (helper.make_tensor_value_info(name, elem_type, None) if elem_type
+                else onnx.ValueInfoProto(name=name))
+
+    graph = helper.make_graph(
+        body_nodes, names(f"{base}_pieces"),
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []),
+         helper.make_tensor_value_info(cond_in, TensorProto.BOOL, []), typed(acc_in)],
+        [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []), typed(acc_out)])
+    nodes.append(helper.make_node("Loop", [trips, "", n.input[0]], [result], name=names(f"{base}/pieces"),
+                                  body=graph))
+    return nodes
 
 
-def _guarded(n: onnx.NodeProto, elem_type: int, names: NameGen, k: int = 1) -> list[onnx.NodeProto]:
-    """``If(Size(updates) >= SERIAL_ELEMENTS)``: the flat ScatterElements, else ScatterND ``n`` as it is."""
+def _guarded(n: onnx.NodeProto, plan: _Plan, names: NameGen) -> list[onnx.NodeProto]:
+    """``If(Size(updates) >= SERIAL_ELEMENTS)``: the Loop over pieces, else ScatterND ``n`` as it is."""
     base = n.name or "ScatterND"
     size = names(f"{n.output[0]}/updates_size")
     limit = names(f"{n.output[0]}/serial_limit")
     large = names(f"{n.output[0]}/splits")
-    flat_out, nd_out = names(f"{n.output[0]}/flat_result"), names(f"{n.output[0]}/nd_result")
+    pieces_out, nd_out = names(f"{n.output[0]}/pieces_result"), names(f"{n.output[0]}/nd_result")
 
     def result(name: str) -> onnx.ValueInfoProto:
-        return (helper.make_tensor_value_info(name, elem_type, None) if elem_type
+        return (helper.make_tensor_value_info(name, plan.elem_type, None) if plan.elem_type
                 else onnx.ValueInfoProto(name=name))
 
-    then_branch = helper.make_graph(_flat_scatter(n, flat_out, names, k), names(f"{base}_flat"), [],
-                                    [result(flat_out)])
+    then_branch = helper.make_graph(_looped(n, pieces_out, plan.k, plan.elem_type, names),
+                                    names(f"{base}_pieces"), [], [result(pieces_out)])
     kept = onnx.NodeProto()
     kept.CopyFrom(n)
     del kept.output[:]
@@ -213,4 +271,3 @@ def _guarded(n: onnx.NodeProto, elem_type: int, names: NameGen, k: int = 1) -> l
         helper.make_node("If", [large], [n.output[0]], name=names(f"{base}/serial"),
                          then_branch=then_branch, else_branch=else_branch),
     ]
-
