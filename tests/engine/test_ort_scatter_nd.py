@@ -213,3 +213,40 @@ def test_one_intra_op_thread_keeps_the_scatter_nd(monkeypatch) -> None:
     feeds = _feeds(np.float32)
     sess = InferenceSession(model.SerializeToString(), _options("onnxruntime", threads=1))
     assert sess.run(None, feeds)[0].tobytes() == _add_at(feeds, np.float32).tobytes()
+
+
+def test_a_gather_nd_gradient_is_the_same_at_every_run() -> None:
+    """The gradient graph of ``loss = Σ table[i, j] · w`` (GatherND over tuples of two indices, as torch's
+    ``table[i, j]`` exports) on the onnxruntime backend: within float32 rounding of torch autograd's table
+    gradient, the same bits at every run and as the numpy engine's."""
+    import torch
+
+    from onnxtrain import InferenceSession
+    from onnxtrain.autodiff import build_gradient_model
+
+    n = 4096
+    graph = helper.make_graph(
+        [helper.make_node("GatherND", ["table", "idx"], ["picked"]),
+         helper.make_node("Mul", ["picked", "w"], ["scaled"]),
+         helper.make_node("ReduceSum", ["scaled"], ["loss"], keepdims=0)], "gather_nd",
+        [helper.make_tensor_value_info("table", T.FLOAT, list(DATA)),
+         helper.make_tensor_value_info("idx", T.INT64, ["n", 2]),
+         helper.make_tensor_value_info("w", T.FLOAT, ["n", DATA[2]])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    grad = build_gradient_model(model, "loss", ["table"])
+    assert "ScatterND" in [node.op_type for node in grad.graph.node]
+    rng = np.random.default_rng(11)
+    feeds = {"table": rng.standard_normal(DATA).astype(np.float32),
+             "idx": np.stack([rng.integers(-30, 30, n), rng.integers(-20, 20, n)], axis=1),
+             "w": rng.standard_normal((n, DATA[2])).astype(np.float32)}
+    table = torch.tensor(feeds["table"], requires_grad=True)
+    idx = torch.tensor(feeds["idx"])
+    (table[idx[:, 0], idx[:, 1]] * torch.tensor(feeds["w"])).sum().backward()
+    name = next(o.name for o in grad.graph.output if o.name != "loss")
+    sess = InferenceSession(grad.SerializeToString(), _options("onnxruntime", threads=2))
+    outs = [sess.run([name], feeds)[0] for _ in range(100)]
+    np.testing.assert_allclose(outs[0], table.grad.numpy(), rtol=1e-5, atol=1e-4)
+    assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+    engine = InferenceSession(grad.SerializeToString(), _options("numpy")).run([name], feeds)[0]
+    assert engine.tobytes() == outs[0].tobytes()
