@@ -103,20 +103,29 @@ def test_tuples_of_every_index_combine_scalars() -> None:
     np.testing.assert_allclose(want, _add_at(feeds, np.float64), atol=2e-3)
 
 
-def test_pieces_in_a_loop_keep_every_update(monkeypatch) -> None:
-    """Sizes known but too many pieces to lay out as nodes (here more than one): a Loop over the pieces."""
+@pytest.mark.parametrize("limit, n", [("_MAX_CHAIN", 8192), ("RUNTIME_PIECES", "n")],
+                         ids=["static", "runtime"])
+def test_too_many_pieces_take_the_flat_scatter(monkeypatch, limit, n) -> None:
+    """More pieces than laid out as nodes (here more than one): one ScatterElements over the flat data, the
+    same bits; a tuple with one index out of range whose flat position would land inside the data is still
+    refused."""
     from onnxtrain import InferenceSession
     from onnxtrain.engine import ort_scatter_nd
     from onnxtrain.engine.ort_rewrites import for_onnxruntime
+    from onnxtrain.ir.graphs import walk_graphs
 
-    monkeypatch.setattr(ort_scatter_nd, "_MAX_CHAIN", 1)
-    model = _tuple_scatter(8192, T.FLOAT)
-    assert "Loop" in [n.op_type for n in for_onnxruntime(model).graph.node]
+    monkeypatch.setattr(ort_scatter_nd, limit, 1)
+    model = _tuple_scatter(n, T.FLOAT)
+    ops = [nd.op_type for g in walk_graphs(for_onnxruntime(model).graph) for nd in g.node]
+    assert "ScatterElements" in ops
     feeds = _feeds(np.float32, 8192)
     want = _add_at(feeds, np.float32)
     sess = InferenceSession(model.SerializeToString(), _options("onnxruntime", threads=2))
     for _ in range(100):
         assert sess.run(None, feeds)[0].tobytes() == want.tobytes()
+    feeds["indices"][5000] = (0, 20)  # (1, 0)'s flat position
+    with pytest.raises(Exception, match="(?i)out of|bound|range|ind"):
+        sess.run(None, feeds)
 
 
 def test_three_index_tuples_into_a_rank_4_tensor() -> None:
