@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxtrain.capi.sparse_tensor import SparseTensor
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 
 if TYPE_CHECKING:
@@ -148,8 +149,6 @@ class OrtValue:
     @staticmethod
     def ort_value_from_sparse_tensor(sparse_tensor: Any) -> OrtValue:
         """An OrtValue holding ``sparse_tensor`` (a :class:`~onnxtrain.capi.sparse_tensor.SparseTensor`)."""
-        from onnxtrain.capi.sparse_tensor import SparseTensor
-
         if not isinstance(sparse_tensor, SparseTensor):
             raise TypeError(f"ort_value_from_sparse_tensor takes a SparseTensor, got "
                             f"{type(sparse_tensor).__name__}")
@@ -162,7 +161,7 @@ class OrtValue:
         return self._array
 
     def numpy(self) -> np.ndarray:
-        if self.is_sparse_tensor():  # (onnxruntime: no numpy array of a sparse tensor)
+        if isinstance(self._array, SparseTensor):  # (onnxruntime: no numpy array of a sparse tensor)
             raise Fail("OrtValue.numpy: the value is a sparse tensor; read it with as_sparse_tensor()")
         return self._array
 
@@ -232,8 +231,6 @@ class OrtValue:
         return isinstance(self._array, np.ndarray)
 
     def is_sparse_tensor(self) -> bool:
-        from onnxtrain.capi.sparse_tensor import SparseTensor
-
         return isinstance(self._array, SparseTensor)
 
     def is_tensor_sequence(self) -> bool:
