@@ -212,12 +212,18 @@ class SessionOptions(_Fields):
         if not len(file_names) == len(buffers) == len(lengths):
             raise FailValueError(f"add_external_initializers_from_files_in_memory: {len(file_names)} file "
                                  f"names, {len(buffers)} buffers and {len(lengths)} lengths")
+        taken: dict[str, bytes] = {}  # every entry checked before any is registered
         for name, buffer, length in zip(file_names, buffers, lengths):
-            data = memoryview(buffer).cast("B").tobytes()
+            try:
+                data = memoryview(buffer).cast("B").tobytes()
+            except TypeError as e:
+                raise FailValueError(f"add_external_initializers_from_files_in_memory: file {name!r}: the "
+                                     f"buffer must be bytes or an array ({e})") from None
             if not 0 <= int(length) <= len(data):
                 raise FailValueError(f"add_external_initializers_from_files_in_memory: file {name!r}: length "
                                      f"{length} of a buffer of {len(data)} bytes")
-            self._files_in_memory[os.path.normpath(str(name))] = data[:int(length)]
+            taken[os.path.normpath(str(name))] = data[:int(length)]
+        self._files_in_memory.update(taken)
 
     def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
         """Fix the symbolic dimension ``dim_name`` of the model's inputs to ``dim_value``."""
