@@ -67,6 +67,31 @@ def inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def eval_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An eval model with its training-mode BatchNormalizations (and Dropouts) in inference mode
+    (:func:`inference_mode`, a copy), or ``model`` itself when it has none.
+
+    onnxruntime-training's generator leaves a BatchNormalization of a model exported in training mode below
+    opset 14 with its four statistics outputs in the eval model (there is no ``training_mode`` attribute to
+    clear), which makes it a training-mode node: onnxruntime, and onnxruntime-training 1.19.2's eval mode,
+    then normalize with the batch's statistics and compute new running ones."""
+    from onnxtrain.ir.builder import model_opset
+
+    old = model_opset(model) < 14
+
+    def training(n: onnx.NodeProto) -> bool:
+        if n.op_type != "BatchNormalization" or n.domain not in DEFAULT_DOMAINS:
+            return False
+        return any(n.output[1:]) if old else is_training_batch_norm(n)
+
+    if not any(training(n) for g in walk_graphs(model.graph) for n in g.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inference_mode(out.graph)
+    return out
+
+
 def inference_mode(graph: onnx.GraphProto) -> None:
     """Put ``graph``'s Dropout and BatchNormalization nodes, those of the bodies nested in it too, in
     inference mode (in place): a Dropout's ``training_mode`` left out (its slot kept empty), a

@@ -83,3 +83,35 @@ def test_convert_artifacts_and_export_write_loadable_models(tmp_path, monkeypatc
     given = {"x": x, "target": t, "W": state.parameters["W"].data}  # the eval model takes W as an input
     feeds = {i.name: given[i.name] for i in converted.get_inputs()}
     np.testing.assert_allclose(converted.run(["y"], feeds)[0], y, rtol=1e-6)
+
+
+def test_convert_artifacts_puts_an_opset_12_eval_batch_norm_in_inference_mode(tmp_path, monkeypatch) -> None:
+    """Below opset 14 a BatchNormalization with statistics outputs is in training mode (there is no
+    ``training_mode`` attribute): onnxruntime-training's eval model of a model exported in training mode has
+    them. Module's eval runs it in inference mode (ef6ba22); ``convert_artifacts`` kept the outputs, so the
+    converted eval model normalized each batch by its own statistics in onnxruntime. Its output now is the
+    BatchNorm formula with the running statistics, in onnxruntime, as Module's eval gives it."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    artifacts.generate_artifacts(_bn_model(), requires_grad=["W"], loss=artifacts.LossType.MSELoss,
+                                 loss_input_names=["y"], additional_output_names=["y"],
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=src)
+    eval_path = src / "eval_model.onnx"
+    old = onnx.load(eval_path)  # as onnxruntime-training's, of an opset-12 export: BatchNormalization-9's
+    old.opset_import[0].version = 12  # four statistics outputs (the other nodes read the same at 12)
+    bn = next(n for n in old.graph.node if n.op_type == "BatchNormalization")
+    bn.output.extend(f"h_{s}" for s in ("mean", "var", "saved_mean", "saved_var"))
+    onnx.save(old, eval_path)
+    monkeypatch.setattr(convert, "translate_training_model", lambda m: m)  # (tested elsewhere)
+    convert.convert_artifacts(src, dst)
+    x, t = RNG.standard_normal((4, 3)).astype(np.float32), np.zeros((4, 2), np.float32)
+    converted = _loads(onnx.load(dst / "eval_model.onnx"))
+    state = CheckpointState.load_checkpoint(str(src / "checkpoint"))
+    w = state.parameters["W"].data
+    want = ((x - MEAN) / np.sqrt(VAR + 1e-5) * SCALE + BIAS) @ w.T
+    given = {"x": x, "target": t, "W": w}
+    feeds = {i.name: given[i.name] for i in converted.get_inputs()}
+    np.testing.assert_allclose(converted.run(["y"], feeds)[0], want, rtol=1e-5, atol=1e-6)
+    module = Module(str(src / "training_model.onnx"), state, str(eval_path))
+    module.eval()
+    np.testing.assert_allclose(module(x, t)[1], want, rtol=1e-5, atol=1e-6)

@@ -42,14 +42,8 @@ from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import NameGen, model_opset, pausing_gc
-from onnxtrain.ir.graphs import (
-    DEFAULT_DOMAINS,
-    inference_mode,
-    is_training_batch_norm,
-    last_statistics,
-    walk_graphs,
-)
+from onnxtrain.ir.builder import NameGen, pausing_gc
+from onnxtrain.ir.graphs import eval_batch_norms, last_statistics
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -171,29 +165,6 @@ def _unshared(outs: list[Any], params: Iterable[Any]) -> list[Any]:
         if (o.base is not None or id(o) in ids) and any(np.may_share_memory(o, a) for a in held):
             outs[k] = o.copy()
     return outs
-
-
-def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The eval model with its training-mode BatchNormalizations (and Dropouts) in inference mode; ``model``
-    itself when it has none, as onnxtrain's own eval models.
-
-    onnxruntime-training's generator leaves a BatchNormalization of a model exported in training mode below
-    opset 14 with its four statistics outputs in the eval model (there is no ``training_mode`` attribute to
-    clear), which makes it a training-mode node: onnxruntime-training 1.19.2's eval mode normalizes with the
-    batch's statistics there and writes new running statistics into the state at every call."""
-    old = model_opset(model) < 14
-
-    def training(n: onnx.NodeProto) -> bool:
-        if n.op_type != "BatchNormalization" or n.domain not in DEFAULT_DOMAINS:
-            return False
-        return any(n.output[1:]) if old else is_training_batch_norm(n)
-
-    if not any(training(n) for g in walk_graphs(model.graph) for n in g.node):
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    inference_mode(out.graph)
-    return out
 
 
 def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
@@ -342,7 +313,7 @@ class Module:
                 shown = f" {eval_path}" if eval_path else ""
                 raise ValueError(f"eval_model_uri{shown} is an optimizer model, not an eval model: pass it "
                                  "to Optimizer(optimizer_model, module)")
-            self._eval_model = _inference_batch_norms(translate_training_model(eval_model))
+            self._eval_model = eval_batch_norms(translate_training_model(eval_model))
             times["eval loading"] = (begin, time.perf_counter_ns())
             self._eval_plan = _compile(self._eval_model, "eval", session_options)
             times["eval initialization"] = (times["eval loading"][1], time.perf_counter_ns())

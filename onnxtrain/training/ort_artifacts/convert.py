@@ -8,7 +8,7 @@ from typing import IO
 
 import onnx
 
-from onnxtrain.ir.graphs import inference_batch_norms
+from onnxtrain.ir.graphs import eval_batch_norms, inference_batch_norms
 from onnxtrain.training.ort_artifacts.optimizer import translate_optimizer_model
 from onnxtrain.training.ort_artifacts.training_model import translate_training_model
 
@@ -36,10 +36,11 @@ def convert_artifacts(
             path = os.path.join(src, f"{prefix}{name}")
             if os.path.exists(path):
                 model = onnx.load(path)
-                # an eval model of a model exported in training mode keeps its inference BatchNorms'
-                # running-statistics outputs, which ONNX's checker and onnxruntime refuse
+                # an eval model of a model exported in training mode keeps its BatchNorms' running-statistics
+                # outputs: below opset 14 they make the node a training one (put in inference mode, as
+                # Module's eval runs it), from 14 ONNX's checker and onnxruntime refuse them unread
                 out = (translate_optimizer_model(model, training) if name.startswith("optimizer")
-                       else inference_batch_norms(translate_training_model(model)))
+                       else inference_batch_norms(eval_batch_norms(translate_training_model(model))))
                 files.save_model(out, os.path.join(dst, f"{prefix}{name}"))
         for name in ("checkpoint", "nominal_checkpoint"):
             for suffix in (".data", ""):  # the data file renamed before the main file that refers to it
