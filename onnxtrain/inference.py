@@ -141,6 +141,7 @@ class EpAssignedSubgraph:
     nodes: tuple[EpAssignedNode, ...]
 
     def get_nodes(self) -> list[EpAssignedNode]:
+        """The subgraph's nodes, in order."""
         return list(self.nodes)
 
 
@@ -220,7 +221,7 @@ class FeedChecker:
 
 def _check_feed_mapping(feeds: Any) -> None:
     """A feed that is not a mapping (a list of pairs, None) is refused with onnxruntime's AttributeError."""
-    if not (hasattr(feeds, "keys") and hasattr(feeds, "items")):
+    if type(feeds) is not dict and not (hasattr(feeds, "keys") and hasattr(feeds, "items")):
         raise AttributeError(f"'{type(feeds).__name__}' object has no attribute 'keys': input_feed must be a "
                              "dict of input name to value")
 

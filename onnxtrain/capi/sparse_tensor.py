@@ -40,6 +40,7 @@ class SparseCooView:
         self._indices = indices
 
     def indices(self) -> np.ndarray:
+        """The indices (read-only)."""
         return _read_only(self._indices)
 
 
@@ -51,9 +52,11 @@ class SparseCsrView:
         self._inner, self._outer = inner, outer
 
     def inner(self) -> np.ndarray:
+        """The column of each value (read-only)."""
         return _read_only(self._inner)
 
     def outer(self) -> np.ndarray:
+        """Each row's first value's offset, then the count of values (read-only)."""
         return _read_only(self._outer)
 
 
@@ -128,17 +131,21 @@ class SparseTensor:
         return SparseTensor(dense_shape, array, OrtSparseFormat.ORT_SPARSE_CSRC, (inner, outer))
 
     def format(self) -> OrtSparseFormat:
+        """The layout: COO or CSR(C)."""
         return self._format
 
     def dense_shape(self) -> list[int]:
+        """The shape of the dense tensor this one stands for."""
         return list(self._shape)
 
     def data_type(self) -> str:
+        """onnxruntime's type string, e.g. ``sparse_tensor(float)``."""
         from onnxtrain.capi.ortvalue import _type_name
 
         return f"sparse_tensor({_type_name(self._values.dtype)})"
 
     def device_name(self) -> str:
+        """Where the values live: always the CPU."""
         return "cpu"
 
     def values(self) -> np.ndarray:
@@ -146,19 +153,23 @@ class SparseTensor:
         return _read_only(self._values)
 
     def as_coo_view(self) -> SparseCooView:
+        """The COO indices; Fail for another layout."""
         if self._format != OrtSparseFormat.ORT_SPARSE_COO:
             raise Fail(f"SparseTensor.as_coo_view: the tensor is {self._format.name}, not COO")
         return SparseCooView(*self._indices)
 
     def as_csrc_view(self) -> SparseCsrView:
+        """The CSR(C) indices; Fail for another layout."""
         if self._format != OrtSparseFormat.ORT_SPARSE_CSRC:
             raise Fail(f"SparseTensor.as_csrc_view: the tensor is {self._format.name}, not CSR(C)")
         return SparseCsrView(*self._indices)
 
     def as_blocksparse_view(self) -> Any:
+        """Fail: onnxtrain makes no block-sparse tensors."""
         raise Fail(f"SparseTensor.as_blocksparse_view: the tensor is {self._format.name}, not block-sparse")
 
     def to_cuda(self, ort_device: Any) -> SparseTensor:
+        """Fail: onnxtrain runs on the CPU only."""
         raise Fail("SparseTensor.to_cuda: CUDA is not available (onnxtrain runs on the CPU)")
 
     def _element_type(self) -> int:
