@@ -70,8 +70,10 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         p = self._params
         if world().size > 1:  # MPI first: a rank raising below then aborts the job instead of leaving the
             get_communicator()  # others waiting for it in MPI_Init
-        # (onnxruntime 1.2-1.3's names of a loss scaling the model computes itself: one process only)
-        own_scaling = {"scaled_loss_output_name": "", "loss_scale_input_name": ""}
+        # (onnxruntime 1.2-1.3's names of a loss scaling the model computes itself: one process only; without
+        # mixed precision they do nothing, and _warn_idle_options says so as one process does)
+        own_scaling = ({"scaled_loss_output_name": "", "loss_scale_input_name": ""}
+                       if p.use_mixed_precision else {})
         bad = [k for k, d in {**refused, **own_scaling}.items() if getattr(p, k) != d]
         if bad:
             raise NotImplementedError(

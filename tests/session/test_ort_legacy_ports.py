@@ -664,3 +664,18 @@ def test_first_ort_trainer_scaled_loss_is_refused_by_split_sessions(split: dict)
         setattr(p, k, v)
     with pytest.raises(NotImplementedError, match="scaled_loss_output_name, loss_scale_input_name"):
         TrainingSession(client_scaled_bert_model().SerializeToString(), p)
+
+
+@pytest.mark.parametrize("split", [{"pipeline_parallel_size": 2, "pipeline_cut_info_string": "t"},
+                                   {"horizontal_parallel_size": 2}])
+def test_first_ort_trainer_scaled_loss_names_warn_in_split_sessions_without_fp16(split: dict) -> None:
+    """Without mixed precision the two names do nothing: the split sessions warn so, as one process does,
+    instead of refusing them (they get as far as asking for mpiexec here)."""
+    p = first_trainer_params(mixed=False)
+    p.scaled_loss_output_name, p.loss_scale_input_name = "scaled_loss_loss_1", "loss_scale_loss_1"
+    for k, v in split.items():
+        setattr(p, k, v)
+    idle = "scaled_loss_output_name has no effect without use_mixed_precision"
+    with pytest.warns(UserWarning, match=idle), pytest.raises(Exception) as got:  # noqa: PT011 - any but that
+        TrainingSession(bert_model().SerializeToString(), p)
+    assert not isinstance(got.value, NotImplementedError), got.value
