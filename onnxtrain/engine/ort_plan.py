@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -131,8 +132,10 @@ class OrtPlan(GraphInterface):
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
         # that speed it up unless optimisations are off
+        # (onnxruntime's own default on a host of one CPU is one thread: its scatters cannot race there)
+        threads = intra_op_threads(options) or (1 if os.cpu_count() == 1 else None)
         self.onnxruntime_model = for_onnxruntime(model, optimise=not optimizations_off(options),
-                                                 threads=intra_op_threads(options))
+                                                 threads=threads)
         # the labels' range checks: the node that fails → the loss and the error raised then
         self._label_checks = label_range_messages(self.onnxruntime_model)
         # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)

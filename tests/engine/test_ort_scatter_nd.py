@@ -215,6 +215,10 @@ def test_one_intra_op_thread_keeps_the_scatter_nd(monkeypatch) -> None:
     assert ops(_options("onnxruntime")) == ["ScatterND"]
     monkeypatch.setenv("MPI_LOCALNRANKS", "1")
     assert ops(_options("onnxruntime")).count("ScatterND") == 2
+    with monkeypatch.context() as m:  # a host of one CPU: onnxruntime's default is one thread there
+        m.setattr("os.cpu_count", lambda: 1)
+        assert ops(_options("onnxruntime")) == ["ScatterND"]
+        assert ops(_options("onnxruntime", threads=2)).count("ScatterND") == 2  # two asked for: they race
 
     from onnxtrain import InferenceSession
 
