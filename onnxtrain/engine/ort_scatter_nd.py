@@ -162,11 +162,10 @@ def _dims(tp: onnx.TypeProto | None) -> list[int | None] | None:
     return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
 
 
-def _piece_inputs(n: onnx.NodeProto, k: int, result: str, names: NameGen,
-                  nodes: list[onnx.NodeProto]) -> tuple[str, str, Callable[..., str]]:
-    """Nodes (appended to ``nodes``) making ``n``'s indices [tuples, k] and updates [tuples, *rows]; returns
-    their names and the node maker used."""
-    data, indices, updates = n.input
+def _writers(n: onnx.NodeProto, result: str, names: NameGen, nodes: list[onnx.NodeProto]
+             ) -> tuple[Callable[..., str], Callable[[str, np.ndarray], str]]:
+    """Makers of the nodes (appended to ``nodes``) that compute ``n`` into ``result``: ``make(op, inputs,
+    what, **attrs)`` and ``const(what, array)``, each returning its output's name."""
     base = n.name or "ScatterND"
 
     def make(op: str, ins: list[str], what: str, **attrs: object) -> str:
@@ -177,6 +176,15 @@ def _piece_inputs(n: onnx.NodeProto, k: int, result: str, names: NameGen,
     def const(what: str, value: np.ndarray) -> str:
         return make("Constant", [], what, value=numpy_helper.from_array(value))
 
+    return make, const
+
+
+def _piece_inputs(n: onnx.NodeProto, k: int, result: str, names: NameGen,
+                  nodes: list[onnx.NodeProto]) -> tuple[str, str, Callable[..., str]]:
+    """Nodes (appended to ``nodes``) making ``n``'s indices [tuples, k] and updates [tuples, *rows]; returns
+    their names and the node maker used."""
+    data, indices, updates = n.input
+    make, const = _writers(n, result, names, nodes)
     tuples = make("Reshape", [indices, const("tuple_shape", np.array([-1, k], np.int64))], "tuples")
     rows_shape = make("Concat", [const("any", np.array([-1], np.int64)),
                                  make("Shape", [data], "row_dims", start=k)], "rows_shape", axis=0)
@@ -275,15 +283,7 @@ def _flat_scatter(n: onnx.NodeProto, result: str, names: NameGen, k: int = 1) ->
     data, indices, updates = n.input
     base = n.name or "ScatterND"
     nodes: list[onnx.NodeProto] = []
-
-    def make(op: str, ins: list[str], what: str, **attrs: object) -> str:
-        value = names(f"{result}/{what}")
-        nodes.append(helper.make_node(op, ins, [value], name=names(f"{base}/{what}"), **attrs))
-        return value
-
-    def const(what: str, value: np.ndarray) -> str:
-        return make("Constant", [], what, value=numpy_helper.from_array(value))
-
+    make, const = _writers(n, result, names, nodes)
     flat_shape = const("flat_shape", np.array([-1], np.int64))
     row = make("ReduceProd", [make("Shape", [data], "row_dims", start=k)], "row_size", keepdims=0)
     offsets = make("Range", [const("zero", np.array(0, np.int64)), row, const("one", np.array(1, np.int64))],
