@@ -194,10 +194,11 @@ class OrtPlan(GraphInterface):
         mode = getattr(options, "execution_mode", None)
         if mode is not None and int(mode) == int(ort.ExecutionMode.ORT_PARALLEL):
             so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
-        intra = getattr(options, "intra_op_num_threads", None)
-        if not (isinstance(intra, int) and intra > 0) and local_ranks() > 1:
-            # MPI ranks sharing a host: each takes its share of the CPUs, as the numpy engine and its BLAS do
-            so.intra_op_num_threads = intra_op_threads(options)
+        # the caller's threads, or (MPI ranks sharing a host) this rank's share of the CPUs, as the numpy
+        # engine and its BLAS take
+        threads = intra_op_threads(options)
+        if threads is not None:
+            so.intra_op_num_threads = threads
         # onnxruntime's memory planning, as the caller set it (training graphs run one shape per step, so
         # enable_mem_pattern=False lowers the peak without slowing the step: see the README)
         for key in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"):
