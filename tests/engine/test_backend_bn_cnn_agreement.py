@@ -29,6 +29,7 @@ from onnxtrain.engine.backends import CONFIG_KEY
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 nn = torch.nn
+from bench.models import BasicBlock, InvertedResidual  # noqa: E402 - torch first, or the module is skipped
 
 BATCH = 4
 LR = 0.05
@@ -54,40 +55,6 @@ def _spread_norms(module: nn.Module, gen: torch.Generator) -> None:
                 m.running_var.uniform_(0.8, 1.2, generator=gen)
 
 
-class _Inverted(nn.Module):
-    """MobileNetV2's block: 1×1 expansion, 3×3 depthwise, 1×1 projection, BatchNorm after each, ReLU6."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        mid = 2 * cin
-        self.residual = stride == 1 and cin == cout
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
-            nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
-            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.body(x)
-        return x + y if self.residual else y
-
-
-class _Basic(nn.Module):
-    """ResNet's basic block, with a 1×1 projection when the shape changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
-        )
-        self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.skip(x))
-
-
 class _Net(nn.Module):
     """A small MobileNet-like or ResNet-like classifier of 3×8×8 images into 4 classes, with its loss."""
 
@@ -97,11 +64,11 @@ class _Net(nn.Module):
         torch.manual_seed(5)
         if kind == "mobilenet":
             blocks = [nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(),
-                      _Inverted(8, 8, 1), _Inverted(8, 12, 2)]
+                      InvertedResidual(8, 8, 1, expand=2), InvertedResidual(8, 12, 2, expand=2)]
             width = 12
         else:
             blocks = [nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                      _Basic(8, 8, 1), _Basic(8, 12, 2)]
+                      BasicBlock(8, 8, 1), BasicBlock(8, 12, 2)]
             width = 12
         self.features = nn.Sequential(*blocks)
         self.head = nn.Linear(width, 4)

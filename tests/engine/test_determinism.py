@@ -342,24 +342,9 @@ def test_a_row_scatter_in_a_loop_body_keeps_every_update() -> None:
     in the body, twice the float64 sum, the same bits each run."""
     from onnxtrain import InferenceSession
     from onnxtrain.engine.ort_rewrites import for_onnxruntime
+    from tests.engine.test_ort_scatter_nd import loop_scatter_model
 
-    body = helper.make_graph(
-        [helper.make_node("ScatterND", ["acc_in", "indices", "updates"], ["acc_out"], reduction="add"),
-         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
-        [helper.make_tensor_value_info("i", T.INT64, []),
-         helper.make_tensor_value_info("cond_in", T.BOOL, []),
-         helper.make_tensor_value_info("acc_in", T.FLOAT, None)],
-        [helper.make_tensor_value_info("cond_out", T.BOOL, []),
-         helper.make_tensor_value_info("acc_out", T.FLOAT, None)])
-    graph = helper.make_graph(
-        [helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
-         helper.make_node("Constant", [], ["go"], value=numpy_helper.from_array(np.array(True))),
-         helper.make_node("Loop", ["n", "go", "data"], ["out"], body=body)], "loop",
-        [helper.make_tensor_value_info("data", T.FLOAT, [1000, 128]),
-         helper.make_tensor_value_info("indices", T.INT64, ["n", 1]),
-         helper.make_tensor_value_info("updates", T.FLOAT, ["n", 128])],
-        [helper.make_tensor_value_info("out", T.FLOAT, [1000, 128])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = loop_scatter_model((1000, 128), 1)
     rewritten = for_onnxruntime(model).graph.node[-1].attribute[0].g
     assert "If" in [n.op_type for n in rewritten.node]
     rng = np.random.default_rng(4)

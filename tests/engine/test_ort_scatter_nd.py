@@ -47,6 +47,28 @@ def _tuple_scatter(n: int | str, elem: int, data: tuple[int, ...] = DATA, k: int
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def loop_scatter_model(data: tuple[int, ...], k: int) -> onnx.ModelProto:
+    """A Loop of two iterations whose body adds the updates into its carried ``data`` with a ScatterND of
+    ``k`` indices per tuple; the body declares no type for the carried value (its type unknown there)."""
+    body = helper.make_graph(
+        [helper.make_node("ScatterND", ["acc_in", "indices", "updates"], ["acc_out"], reduction="add"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", T.INT64, []),
+         helper.make_tensor_value_info("cond_in", T.BOOL, []),
+         helper.make_tensor_value_info("acc_in", T.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []),
+         helper.make_tensor_value_info("acc_out", T.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
+         helper.make_node("Constant", [], ["go"], value=numpy_helper.from_array(np.array(True))),
+         helper.make_node("Loop", ["n", "go", "data"], ["out"], body=body)], "loop",
+        [helper.make_tensor_value_info("data", T.FLOAT, list(data)),
+         helper.make_tensor_value_info("indices", T.INT64, ["n", k]),
+         helper.make_tensor_value_info("updates", T.FLOAT, ["n", *data[k:]])],
+        [helper.make_tensor_value_info("out", T.FLOAT, list(data))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
 def _feeds(dtype: type, n: int = 4096, data: tuple[int, ...] = DATA, k: int = 2,
            seed: int = 7) -> dict[str, np.ndarray]:
     """Tuples drawn from every in-range value, negative ones included (many repeats)."""
@@ -167,23 +189,7 @@ def test_a_tuple_scatter_in_a_loop_body_keeps_every_update() -> None:
     from onnxtrain import InferenceSession
     from onnxtrain.engine.ort_rewrites import for_onnxruntime
 
-    body = helper.make_graph(
-        [helper.make_node("ScatterND", ["acc_in", "indices", "updates"], ["acc_out"], reduction="add"),
-         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
-        [helper.make_tensor_value_info("i", T.INT64, []),
-         helper.make_tensor_value_info("cond_in", T.BOOL, []),
-         helper.make_tensor_value_info("acc_in", T.FLOAT, None)],
-        [helper.make_tensor_value_info("cond_out", T.BOOL, []),
-         helper.make_tensor_value_info("acc_out", T.FLOAT, None)])
-    graph = helper.make_graph(
-        [helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
-         helper.make_node("Constant", [], ["go"], value=numpy_helper.from_array(np.array(True))),
-         helper.make_node("Loop", ["n", "go", "data"], ["out"], body=body)], "loop",
-        [helper.make_tensor_value_info("data", T.FLOAT, list(DATA)),
-         helper.make_tensor_value_info("indices", T.INT64, ["n", 2]),
-         helper.make_tensor_value_info("updates", T.FLOAT, ["n", DATA[2]])],
-        [helper.make_tensor_value_info("out", T.FLOAT, list(DATA))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = loop_scatter_model(DATA, 2)
     rewritten = for_onnxruntime(model).graph.node[-1].attribute[0].g
     assert "If" in [n.op_type for n in rewritten.node]
     feeds = _feeds(np.float32)
