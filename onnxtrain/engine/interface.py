@@ -312,12 +312,7 @@ def _read_span(t: onnx.TensorProto, path: str, offset: int, length: int | None, 
     size = info.st_size
     if not stat.S_ISREG(info.st_mode):
         raise ModelParseError(f"{what}: the data of tensor {t.name!r} is at {path}, not a regular file")
-    wanted = _external_size(t, length, what)  # without a length: the bytes its shape takes
-    if wanted is None:
-        wanted = max(size - offset, 0)
-    if offset + wanted > size:
-        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
-                              f"{offset}, the file holds {max(size - offset, 0)} there")
+    wanted = _span_size(t, length, offset, size, path, what)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
@@ -336,14 +331,20 @@ def _memory_span(t: onnx.TensorProto, location: str, data: bytes, offset: int, l
                  what: str) -> bytes:
     """The bytes of ``t``'s data in the in-memory file ``location`` (``data``) from ``offset``, as
     :func:`_read_span` reads a file's."""
+    wanted = _span_size(t, length, offset, len(data), f"the in-memory file {location!r}", what)
+    return bytes(data[offset:offset + wanted])
+
+
+def _span_size(t: onnx.TensorProto, length: int | None, offset: int, size: int, where: str, what: str) -> int:
+    """The bytes ``t`` takes from a file of ``size`` bytes (``where``) at ``offset``: ``length``, else those
+    its shape takes (strings: the rest of the file); a ModelParseError when the file holds fewer."""
     wanted = _external_size(t, length, what)
     if wanted is None:
-        wanted = max(len(data) - offset, 0)
-    if offset + wanted > len(data):
-        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from the in-memory file "
-                              f"{location!r} at offset {offset}, which holds {max(len(data) - offset, 0)} "
-                              "there")
-    return bytes(data[offset:offset + wanted])
+        wanted = max(size - offset, 0)
+    if offset + wanted > size:
+        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {where} at offset "
+                              f"{offset}, the file holds {max(size - offset, 0)} there")
+    return wanted
 
 
 # elements a byte holds, of the types packed below a byte
