@@ -263,15 +263,10 @@ def _runtime_pieces(n: onnx.NodeProto, result: str, k: int, elem_type: int,
                                             name=names(f"{base}/piece_{p}_end")))
         bounds.append((bounds[-1][1] if bounds else make("Constant", [], "first_start", value=_int64s(0)),
                        ends))
-
-    def typed(name: str) -> onnx.ValueInfoProto:
-        return (helper.make_tensor_value_info(name, elem_type, None) if elem_type
-                else onnx.ValueInfoProto(name=name))
-
     then_branch = helper.make_graph(bound_nodes + _pieces(n, idx, upd, bounds, chained, names),
-                                    names(f"{base}_pieces"), [], [typed(chained)])
+                                    names(f"{base}_pieces"), [], [_branch_output(chained, elem_type)])
     else_branch = helper.make_graph(_flat_scatter(n, flat, names, k), names(f"{base}_flat"), [],
-                                    [typed(flat)])
+                                    [_branch_output(flat, elem_type)])
     nodes.append(helper.make_node("If", [fits], [result], name=names(f"{base}/fits_pieces"),
                                   then_branch=then_branch, else_branch=else_branch))
     return nodes
@@ -331,6 +326,12 @@ def _tuple_starts(make: Callable[..., str], const: Callable[[str, np.ndarray], s
     return make("ReduceSum", [terms, one], "row_starts", keepdims=1)
 
 
+def _branch_output(name: str, elem_type: int) -> onnx.ValueInfoProto:
+    """An If branch's output ``name``: a tensor of ``elem_type`` of any shape, or untyped when that is 0
+    (the data's type unknown)."""
+    return (helper.make_tensor_value_info(name, elem_type, None) if elem_type
+            else onnx.ValueInfoProto(name=name))
+
 
 def _guarded(n: onnx.NodeProto, plan: _Plan, names: NameGen) -> list[onnx.NodeProto]:
     """``If(Size(updates) >= SERIAL_ELEMENTS)``: the pieces of run-time bounds, else ScatterND ``n``."""
@@ -339,18 +340,13 @@ def _guarded(n: onnx.NodeProto, plan: _Plan, names: NameGen) -> list[onnx.NodePr
     limit = names(f"{n.output[0]}/serial_limit")
     large = names(f"{n.output[0]}/splits")
     pieces_out, nd_out = names(f"{n.output[0]}/pieces_result"), names(f"{n.output[0]}/nd_result")
-
-    def result(name: str) -> onnx.ValueInfoProto:
-        return (helper.make_tensor_value_info(name, plan.elem_type, None) if plan.elem_type
-                else onnx.ValueInfoProto(name=name))
-
     then_branch = helper.make_graph(_runtime_pieces(n, pieces_out, plan.k, plan.elem_type, names),
-                                    names(f"{base}_pieces"), [], [result(pieces_out)])
+                                    names(f"{base}_pieces"), [], [_branch_output(pieces_out, plan.elem_type)])
     kept = onnx.NodeProto()
     kept.CopyFrom(n)
     del kept.output[:]
     kept.output.append(nd_out)
-    else_branch = helper.make_graph([kept], names(f"{base}_nd"), [], [result(nd_out)])
+    else_branch = helper.make_graph([kept], names(f"{base}_nd"), [], [_branch_output(nd_out, plan.elem_type)])
     return [
         helper.make_node("Size", [n.input[2]], [size], name=names(f"{base}/updates_size")),
         helper.make_node("Constant", [], [limit], name=names(f"{base}/serial_limit"),
