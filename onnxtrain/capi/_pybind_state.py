@@ -86,10 +86,12 @@ def is_dlpack_uint8_tensor(dlpack: Any) -> bool:
     without consuming it, as onnxruntime's function of that name (bool tensors travel as uint8)."""
     import ctypes
 
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    valid = ctypes.pythonapi.PyCapsule_IsValid
-    valid.restype, valid.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    # private prototypes: setting restype/argtypes on ctypes.pythonapi's functions would change them for
+    # every other user in the process
+    get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi))
+    valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_IsValid", ctypes.pythonapi))
     if not valid(dlpack, b"dltensor"):
         raise TypeError("is_dlpack_uint8_tensor takes a DLPack capsule that has not been consumed")
     # DLTensor: data (a pointer), device (two int32), ndim (int32), then dtype: code (uint8), bits (uint8)

@@ -1058,9 +1058,13 @@ def test_ort_value_dlpack_through_the_binding_layer() -> None:
     """test_ort_value_dlpack: a value's capsule (to_dlpack, __dlpack__) read back by the binding layer's
     OrtValue.from_dlpack shares its memory; is_dlpack_uint8_tensor tells a uint8 capsule without consuming
     it (onnxruntime 1.32's inference wheel lacks that function: onnxruntime-training 1.19 is the oracle)."""
+    import ctypes
+
     from onnxtrain.capi import _pybind_state as C
     from tests.ortt import run_script
 
+    shared = ctypes.pythonapi.PyCapsule_GetPointer
+    prototype = (shared.restype, shared.argtypes)
     a = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
     value = onnxtrain.OrtValue.ortvalue_from_numpy(a)
     for capsule in (value._ortvalue.to_dlpack(), value._ortvalue.__dlpack__()):
@@ -1068,6 +1072,7 @@ def test_ort_value_dlpack_through_the_binding_layer() -> None:
         again = C.OrtValue.from_dlpack(capsule, False)
         assert again.data_ptr() == value.data_ptr()
         np.testing.assert_array_equal(again.numpy(), a)
+    assert (shared.restype, shared.argtypes) == prototype  # the process's own prototype left as it was
     assert value._ortvalue.__dlpack_device__() == (1, 0)
     kinds = ["float32", "uint8", "int8", "int64"]
     theirs = run_script(
