@@ -190,12 +190,9 @@ class FeedChecker:
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
-        _check_feed_mapping(feeds)
         # required inputs missing are refused before the names fed are checked, as onnxruntime's Python
         # layer checks them first (a misspelt name is then reported as the input it misses)
-        missing = [n for n in (self.required if required is None else required) if n not in feeds]
-        if missing:
-            raise missing_inputs(missing, feeds, self.required)
+        self.refuse_missing(feeds, required)
         out: dict[str, np.ndarray] = {}
         for name, v in feeds.items():
             if name not in self.allowed:
@@ -217,6 +214,13 @@ class FeedChecker:
                                           f"array for input {name!r}: feed a sequence as a list, not a tuple")
                 out[name] = _container_feed(name, kind, v, self.elements.get(name))
         return out
+
+    def refuse_missing(self, feeds: Any, required: Sequence[str] | None = None) -> None:
+        """Refuse a feed that is not a mapping (onnxruntime's AttributeError) or lacks a required input."""
+        _check_feed_mapping(feeds)
+        missing = [n for n in (self.required if required is None else required) if n not in feeds]
+        if missing:
+            raise missing_inputs(missing, feeds, self.required)
 
 
 def _check_feed_mapping(feeds: Any) -> None:
@@ -463,10 +467,7 @@ class InferenceSession:
         refused here, before the thread starts, as onnxruntime refuses them."""
         import threading
 
-        _check_feed_mapping(input_feed)
-        missing = [n for n in self._check.required if n not in input_feed]
-        if missing:
-            raise missing_inputs(missing, input_feed, self._check.required)
+        self._check.refuse_missing(input_feed)
 
         def work() -> None:
             try:
