@@ -21,6 +21,22 @@ import numpy as np
 from onnxtrain.user_warning import warn
 
 
+def step_was_finite(train_step_info: Any) -> bool:
+    """The truth of a step's finite flag: ``all_gradients_finite`` as fetched (a bool, a [1] array, or the
+    one-element list ``run`` returns) or an object with an ``all_finite`` attribute (``TrainStepInfo``).
+    ValueError unless it holds exactly one value (a list of one array is truthy whatever the array holds)."""
+    flag = getattr(train_step_info, "all_finite", train_step_info)
+    if isinstance(flag, (bool, np.bool_)):
+        return bool(flag)
+    if isinstance(flag, (list, tuple)) and len(flag) == 1:
+        flag = flag[0]
+    values = np.asarray(flag).reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"train_step_info: one finite flag wanted (all_gradients_finite), got "
+                         f"{values.size} values")
+    return bool(values[0])
+
+
 class LossScaler:
     """A loss scale fed to the graph as a float32 ``[1]`` array; the base class keeps it fixed (static)."""
 
@@ -41,9 +57,10 @@ class LossScaler:
         static scale stays."""
         return self.loss_scale
 
-    def update_loss_scale(self, is_all_finite: bool) -> None:
-        """:meth:`update` under the name of onnxruntime's older ``LossScaler`` (no return value)."""
-        self.update(bool(is_all_finite))
+    def update_loss_scale(self, is_all_finite: Any) -> None:
+        """:meth:`update` under the name of onnxruntime's older ``LossScaler`` (no return value); the flag is
+        read by :func:`step_was_finite` and given to :meth:`update` as a bool."""
+        self.update(step_was_finite(is_all_finite))
 
     def reset(self) -> None:
         """Back to the initial state: the scale given at construction."""
@@ -81,7 +98,7 @@ class DynamicLossScaler(LossScaler):
         returns the new scale (the same one when ``automatic_update`` is False)."""
         if not self.automatic_update:
             return self.loss_scale
-        if bool(getattr(train_step_info, "all_finite", train_step_info)):
+        if step_was_finite(train_step_info):
             self.stable_steps += 1
             if self.stable_steps >= self.up_scale_window:
                 self.loss_scale = min(self.max_loss_scale, self.loss_scale * 2)

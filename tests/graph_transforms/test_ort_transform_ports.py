@@ -331,3 +331,21 @@ def test_transformer_layer_recompute_takes_the_first_layers(gpt_grad, number: in
     per_layer = [bool(rebuilt & values) for _, _, values in found]
     assert per_layer == [True] * layers + [False] * (4 - layers)
 
+
+def test_dynamic_loss_scaler_reads_the_flag_as_run_returns_it() -> None:
+    """The flag as a session's ``run`` returns it, a list holding the [1] array of ``all_gradients_finite``
+    (the unpacking forgotten), is read for its value: ``[array([False])]`` halves the scale (it was truthy,
+    so the scale never backed off and, under float16, every later step was skipped). A flag of more values
+    is an error naming the argument; onnxruntime's ``TrainStepInfo`` (an ``all_finite`` attribute) and
+    plain bools are read as before."""
+    s = DynamicLossScaler(loss_scale=2.0 ** 10, up_scale_window=2)
+    assert s.update([np.array([False])]) == 2.0 ** 9
+    s.update_loss_scale([np.array([False])])
+    assert s.loss_scale == 2.0 ** 8
+    assert s.update((np.array([True]),)) == 2.0 ** 8 and s.stable_steps == 1
+    assert s.update(types.SimpleNamespace(all_finite=np.array([True]))) == 2.0 ** 9
+    assert s.update(np.bool_(False)) == 2.0 ** 8 and s.update(False) == 2.0 ** 7
+    for bad in ([True, False], np.array([True, True]), []):
+        with pytest.raises(ValueError, match="train_step_info"):
+            s.update(bad)
+    assert s.loss_scale == 2.0 ** 7
