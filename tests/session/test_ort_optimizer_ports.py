@@ -83,7 +83,7 @@ def close(actual, desired, rtol: float = 1e-6, atol: float = 1e-7, what: str = "
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sgd_kernel_case(backend: str) -> None:
     """SGDOptimizerTest (orttraining/orttraining/test/gradient/optimizer_ops_test.cc, earlier in
-    gradient_checker_test.cc): η = 0.5, w = [1, 2, 3], g = [4, 5, 6] → w = [-1, -0.5, 0]."""
+    gradient_ops_test.cc): η = 0.5, w = [1, 2, 3], g = [4, 5, 6] → w = [-1, -0.5, 0]."""
     sess = session("SGDOptimizer", {"W": np.array([1.0, 2.0, 3.0])}, backend)
     step(sess, {"W": [4.0, 5.0, 6.0]}, 0.5)
     np.testing.assert_array_equal(sess.get_state()["W"], np.array([-1.0, -0.5, 0.0], F32))
@@ -135,6 +135,64 @@ def test_adam_kernel_case_with_bias_correction_and_decay(backend: str, mode: int
         assert state["Update_Count"].tolist() == [t + 1]
 
 
+# AdamBiasCorrection and AdamWeightDecayMode{0,1}{No,With}BiasCorrection (optimizer_ops_test.cc): η 1,
+# Update_Count 1, zero moments; name: (do_bias_correction, λ, weight_decay_mode, expected weights)
+ADAM_DECAY_IN = dict(w=[-0.4634, 0.3584, -0.2121], g=[0.4171, 0.9485, 1.2289])
+ADAM_DECAY_MOMENTS = dict(m1=[0.0417, 0.0949, 0.1229], m2=[1.7400e-04, 8.9966e-04, 1.5102e-03])
+ADAM_DECAY_CASES = {
+    "AdamBiasCorrection": (1, 0.0, 0, [-1.4634, -0.6416, -1.2121]),
+    "AdamWeightDecayMode0NoBiasCorrection": (0, 0.01, 0, [-3.6210, -2.8075, -3.3723]),
+    "AdamWeightDecayMode0WithBiasCorrection": (1, 0.01, 0, [-1.4587, -0.6452, -1.2099]),
+    "AdamWeightDecayMode1NoBiasCorrection": (0, 0.01, 1, [-3.5894, -2.7758, -3.3406]),
+    "AdamWeightDecayMode1WithBiasCorrection": (1, 0.01, 1, [-1.4488, -0.6352, -1.1999]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(ADAM_DECAY_CASES))
+def test_adam_decay_mode_and_bias_correction_cases(case: str, backend: str) -> None:
+    """The AdamOptimizer cases of optimizer_ops_test.cc with expected values to four decimals: bias
+    correction on and off, λ 0.01 in weight decay modes 0 and 1, from Update_Count 1 (then 2)."""
+    bias, lam, mode, expected = ADAM_DECAY_CASES[case]
+    sess = session("AdamOptimizer", {"W": np.array(ADAM_DECAY_IN["w"])}, backend,
+                   optimizer_attributes_map={"W": {"lambda": lam}},
+                   optimizer_int_attributes_map={"W": {"do_bias_correction": bias,
+                                                       "weight_decay_mode": mode}})
+    step(sess, {"W": ADAM_DECAY_IN["g"]}, 1.0)
+    state = sess.get_optimizer_state()["W"]
+    close(sess.get_state()["W"], expected, rtol=0, atol=1e-4, what="W")
+    close(state["Moment_1"], ADAM_DECAY_MOMENTS["m1"], rtol=0, atol=1e-4, what="Moment_1")
+    close(state["Moment_2"], ADAM_DECAY_MOMENTS["m2"], rtol=1e-3, what="Moment_2")
+    assert state["Update_Count"].tolist() == [2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adam_mixed_precision_clip_norm_case(backend: str) -> None:
+    """AdamOptimizerMixPrecision_FP16Weight_ClipNorm_Test (optimizer_ops_test.cc): float16 moments, loss scale
+    1, a gradient norm ten times max_norm_clip (there a fed norm of 0.01 with max_norm_clip 0.001; here
+    max_norm_clip is a tenth of the gradient's own norm), so the gradient is divided by 10. The float64
+    formula from the float16 moments; onnxruntime's expected weights agree within 5e-4 (they are listed
+    rounded: 1.8369141 where its kernel's float arithmetic gives 1.837354)."""
+    c = ADAM_CASE
+    limit = float(np.float32(np.sqrt(77.0) / 10))  # |[4, 5, 6]| = sqrt(77)
+    sess = session("AdamOptimizer", {"W": np.array(c["w"])}, backend, enable_grad_norm_clip=True,
+                   state={"W": moments(c["m1"], c["m2"], F16, Update_Count=np.array([3], np.int64))},
+                   use_mixed_precision=True, use_fp16_moments=True,
+                   optimizer_attributes_map={"W": {"max_norm_clip": limit}},
+                   optimizer_int_attributes_map={"W": {"do_bias_correction": 0}})
+    assert step(sess, {"W": c["g"]}, c["lr"], loss_scale=1.0)[-1].all()
+    state = sess.get_optimizer_state()["W"]
+    m1, m2 = (np.array(c[k], F16).astype(F64) for k in ("m1", "m2"))
+    want, m1, m2 = adam_ref(np.array(c["w"], F64), np.array(c["g"], F64) / 10, m1, m2, 3, c["lr"], bias=False)
+    close(sess.get_state()["W"], want, rtol=1e-5, what="W")
+    close(sess.get_state()["W"], [0.8972168, 1.8369141, 2.7871094], rtol=0, atol=5e-4,
+          what="W (onnxruntime's)")
+    close(state["Moment_1"], np.array([0.13, 0.23, 0.33], F16), rtol=1e-3, what="Moment_1")
+    close(state["Moment_2"], np.array([0.3997, 0.4998, 0.6001], F16), rtol=1e-3, what="Moment_2")
+    half = sess.get_model_state(include_mixed_precision_weights=True)["mixed_precision"]["W"]
+    np.testing.assert_array_equal(half, sess.get_state()["W"].astype(F16))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp16_moments", [False, True])
 def test_adam_mixed_precision_kernel_cases(backend: str, fp16_moments: bool) -> None:
@@ -174,16 +232,21 @@ def test_adam_mixed_precision_kernel_cases(backend: str, fp16_moments: bool) -> 
 
 # ------------------------------------------------------------------------------------------------------ Lamb
 LAMB_ATTRS = {"alpha": 0.2, "beta": 0.8, "lambda": 0.5, "epsilon": 1e-6}
-# name: (shape, w, g, m, v, Step or None) of the small cases of optimizer_ops_test.cc (η 0.5, LAMB_ATTRS)
+# name: (shape, w, g, m, v, Step or None, other options) of the small cases of optimizer_ops_test.cc (η 0.5,
+# LAMB_ATTRS); their gradient norm input is 1, which clips nothing, unless a max_norm_clip is named
 LAMB_CASES = {
-    "LambOptimizerTestVector": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], None),
-    "LambOptimizerTestVectorWithZeroWeight": ([2], [0, 0], [1, -1], [-1, -2], [2, 1], None),
-    "LambOptimizerTestBiasCorrectionFirst": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], 1),
-    "LambOptimizerTestBiasCorrectionThird": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], 3),
-    "LambOptimizerTest4DTensor": ([2, 1, 1, 1], [1, 2], [3, 4], [-1, -2], [2, 1], None),
+    "LambOptimizerTestVector": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], None, {}),
+    "LambOptimizerTestVectorWithZeroWeight": ([2], [0, 0], [1, -1], [-1, -2], [2, 1], None, {}),
+    "LambOptimizerRatioMin": ([2], [-1, 1], [1, -1], [-1, -2], [2, 1], None, {"ratio_max": 0.1}),
+    "LambOptimizerRatioMax": ([2], [1e-4, -1e-4], [1, -1], [-1, -2], [2, 1], None, {"ratio_min": 1.0}),
+    "LambOptimizerTestBiasCorrectionFirst": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], 1, {}),
+    "LambOptimizerTestBiasCorrectionThird": ([2], [1, 2], [3, 4], [-1, -2], [2, 1], 3, {}),
+    "LambOptimizerTest4DTensor": ([2, 1, 1, 1], [1, 2], [3, 4], [-1, -2], [2, 1], None, {}),
     "LambOptimizerTest2by3Tensor": ([2, 3], [1, 2, 1, 1, 2, 2], [3, 4, 3, 3, 4, 4], [-1, -2, 2, 1, 1, -2],
-                                    [1, 1, 5, 5, 6, 6], None),
-    "LambOptimizerTestScalar": ([1], [1], [3], [-10], [1], None),
+                                    [1, 1, 5, 5, 6, 6], None, {}),
+    "LambOptimizerTestScalar": ([1], [1], [3], [-10], [1], None, {}),
+    "LambOptimizerTestScalar_NonDefaultMaxNormClipping": ([1], [1], [3], [-10], [1], None,
+                                                          {"max_norm_clip": 0.1}),
 }
 
 
@@ -191,19 +254,27 @@ LAMB_CASES = {
 @pytest.mark.parametrize("case", list(LAMB_CASES))
 def test_lamb_kernel_cases(case: str, backend: str) -> None:
     """The small LambOptimizer cases of optimizer_ops_test.cc, against compute_lamb's formula (float64): a
-    zero weight steps by η·d (trust ratio 1), and a loaded Step t > 0 corrects by 1 − α^t, 1 − β^t
-    (do_bias_correction = 1; the cases without a Step input run uncorrected) and comes out as t + 1."""
-    shape, w, g, m, v, t = LAMB_CASES[case]
+    zero weight steps by η·d (trust ratio 1); ratio_max 0.1 and ratio_min 1 bound the trust ratio; a loaded
+    Step t > 0 corrects by 1 − α^t, 1 − β^t (do_bias_correction = 1; the cases without a Step input run
+    uncorrected) and comes out as t + 1; max_norm_clip 0.1 under a gradient norm of 3 divides the gradient
+    by 30."""
+    shape, w, g, m, v, t, extra = LAMB_CASES[case]
     arr = [np.array(x, F64).reshape(shape) for x in (w, g, m, v)]
     state = {"W": moments(arr[2], arr[3])}
     if t is not None:
         state["shared_optimizer_state"] = {"Step": np.array([t], np.int64)}
+    clip = extra.get("max_norm_clip")
     sess = session("LambOptimizer", {"W": arr[0]}, backend, state=state,
-                   optimizer_attributes_map={"W": LAMB_ATTRS},
+                   enable_grad_norm_clip=clip is not None,
+                   optimizer_attributes_map={"W": {**LAMB_ATTRS, **extra}},
                    optimizer_int_attributes_map={"W": {"do_bias_correction": int(t is not None)}})
     step(sess, {"W": arr[1]}, 0.5)
-    want, m1, m2 = lamb_ref(*arr, t or 1, 0.5, LAMB_ATTRS["alpha"], LAMB_ATTRS["beta"], LAMB_ATTRS["lambda"],
-                            LAMB_ATTRS["epsilon"], bias=t is not None)
+    norm = float(np.linalg.norm(arr[1]))
+    divisor = norm / clip if clip is not None and norm > clip else 1.0
+    a = LAMB_ATTRS
+    want, m1, m2 = lamb_ref(arr[0], arr[1] / divisor, arr[2], arr[3], t or 1, 0.5, a["alpha"], a["beta"],
+                            a["lambda"], a["epsilon"], bias=t is not None,
+                            rmin=extra.get("ratio_min", -np.inf), rmax=extra.get("ratio_max", np.inf))
     got = sess.get_optimizer_state()
     close(sess.get_state()["W"], want, rtol=1e-6, atol=1e-7, what="W")
     close(got["W"]["Moment_1"], m1, rtol=1e-6, what="Moment_1")
