@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -27,7 +28,7 @@ WEIGHTS = ("W1", "W2", "b1", "b2")
 class Case:
     opt: str  # SGDOptimizer, AdamOptimizer, LambOptimizer
     accum: int = 1
-    mode: str = "allreduce"  # allreduce, adasum, zero
+    mode: str = "allreduce"  # allreduce, adasum, zero, or zero+adasum (both options set)
     clip: float | None = None  # max_norm_clip of every weight; None: enable_grad_norm_clip off
     mp: bool = False
     dims: tuple[int, int, int] = (10, 16, 4)  # din, dh, dout of tests.session.helpers.mlp_model
@@ -51,6 +52,8 @@ CASES = {
     # and under mixed precision, the loss scale overflowing float16: every rank skips every update alike
     "zero_tiny_adam_mp_overflow": Case("AdamOptimizer", mode="zero", clip=0.3, mp=True, dims=(2, 3, 2),
                                        loss_scale=1e30),
+    # both set: ZeRO, as onnxruntime's builder registry chose it first (so three ranks are no error either)
+    "zero_adasum_adam": Case("AdamOptimizer", mode="zero+adasum", clip=0.3),
     "allreduce_lamb_a2": Case("LambOptimizer", accum=2, clip=0.3),
     "allreduce_sgd_a3": Case("SGDOptimizer", accum=3),
 }
@@ -86,8 +89,8 @@ def parameters(case: Case, data_parallel: bool = True):
     if case.clip is not None and case.opt != "SGDOptimizer":
         p.optimizer_attributes_map = {w: {"max_norm_clip": case.clip} for w in WEIGHTS}
     if data_parallel:
-        p.enable_adasum = case.mode == "adasum"
-        p.deepspeed_zero_stage = 1 if case.mode == "zero" else 0
+        p.enable_adasum = "adasum" in case.mode
+        p.deepspeed_zero_stage = 1 if "zero" in case.mode else 0
     return p
 
 
@@ -118,12 +121,22 @@ def train(case: Case, parts: list[tuple[np.ndarray, np.ndarray]], data_parallel:
     return sess, weights, norms
 
 
-# cases of tests/parallel/pipeline_worker.py's harness over four ranks: (model, stages, cuts, micro-batches,
-# optimizer, clipping) and the horizontal split's size
+# cases of tests/parallel/pipeline_worker.py's harness: (model, stages, cuts, micro-batches, optimizer,
+# clipping), the horizontal split's size, the data-parallel replicas and how they combine their updates
 CUT_CASES = {
-    "adam_h4_clip": ("mlp", 1, "", 1, "AdamOptimizer", True, 4),  # 16 hidden units, 4 a rank
-    "adam_h4_gelu_blocks": ("gelu_blocks", 1, "", 1, "AdamOptimizer", True, 4),
-    "adam4_clip": ("mlp", 4, "h,hr,logits", 4, "AdamOptimizer", True, 1),  # a node a stage
+    # four ranks
+    "adam_h4_clip": ("mlp", 1, "", 1, "AdamOptimizer", True, 4, 1, ""),  # 16 hidden units, 4 a rank
+    "adam_h4_gelu_blocks": ("gelu_blocks", 1, "", 1, "AdamOptimizer", True, 4, 1, ""),
+    "adam4_clip": ("mlp", 4, "h,hr,logits", 4, "AdamOptimizer", True, 1, 1, ""),  # a node a stage
+    # eight ranks: four replicas of two stages or of a two-way split, the replicas averaging, under ZeRO or
+    # combined by Adasum's two-level tree (SGD: Adam on four rows a replica amplifies float32 rounding of the
+    # split products, 1e-7 of the initial weights moving its loss by 7e-5)
+    "adam2x4_clip": ("mlp", 2, "hr", 2, "AdamOptimizer", True, 1, 4, ""),
+    "adam2x4_zero_clip": ("mlp", 2, "hr", 2, "AdamOptimizer", True, 1, 4, "zero"),
+    "adam2x4_adasum_clip": ("mlp", 2, "hr", 2, "AdamOptimizer", True, 1, 4, "adasum"),
+    "adam_h2x4_gelu_zero": ("gelu_blocks", 1, "", 1, "AdamOptimizer", True, 2, 4, "zero"),
+    "sgd_h2x4_gelu_blocks": ("gelu_blocks", 1, "", 1, "SGDOptimizer", False, 2, 4, ""),
+    "sgd_h2x4_gelu_adasum": ("gelu_blocks", 1, "", 1, "SGDOptimizer", False, 2, 4, "adasum"),
 }
 
 
@@ -132,10 +145,21 @@ def register_cut_cases() -> None:
     from tests.parallel import pipeline_worker as pw
 
     builds = {"mlp": pw.mlp_model, "gelu_blocks": pw.gelu_blocks_model}
-    for name, (model, *rest, h) in CUT_CASES.items():
-        pw.CASES[name] = (builds[model], *rest)
+    for name, (model, stages, cut, micro, opt, clip, h, replicas, exchange) in CUT_CASES.items():
+        pw.CASES[name] = (builds[model], stages, cut, micro, opt, clip)
         if h > 1:
             pw.HORIZONTAL[name] = h
+        if replicas > 1:
+            pw.REPLICAS[name] = replicas
+        if exchange:
+            sets = {("zero", True): pw.H_ZERO, ("adasum", True): pw.H_ADASUM,
+                    ("zero", False): pw.ZERO, ("adasum", False): pw.ADASUM}
+            sets[exchange, h > 1].add(name)
+
+
+def cut_cases(ranks: int) -> list[str]:
+    """The ``CUT_CASES`` of ``ranks`` ranks."""
+    return [c for c, (_, stages, *_, h, replicas, _) in CUT_CASES.items() if stages * h * replicas == ranks]
 
 
 def main() -> None:
@@ -156,7 +180,9 @@ def main() -> None:
         mine: dict[str, np.ndarray] = {}
         try:
             parts = [split_batch(b) for b in micro_batches(case)]
-            sess, weights, norms = train(case, parts)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sess, weights, norms = train(case, parts)
         except ValueError as e:  # refused alike by every rank, before any exchange
             mine["error"] = np.array(str(e))
         else:
@@ -165,7 +191,8 @@ def main() -> None:
                     mine[f"{s}/{k}"] = v
             mine["norms"] = np.asarray(norms)
             mine["flags"] = np.asarray(sess.test_flags, bool)
-            if case.mode == "zero":
+            mine["warnings"] = np.array([str(c.message) for c in caught] or [""])
+            if "zero" in case.mode:
                 for k, v in sess.gather_state().items():
                     mine[f"gathered/{k}"] = v
         for r, d in enumerate(comm.allgather_object(mine, f"gathering the results of {name}")):

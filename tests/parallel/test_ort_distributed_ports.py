@@ -34,7 +34,7 @@ pytestmark = pytest.mark.mpi
 FOUR = ["adasum_sgd_a2", "adasum_adam", "adasum_adam_mp", "adasum_lamb", "adasum_lamb_mp", "zero_adam_clip",
         "zero_adam_mp", "zero_tiny_adam", "zero_tiny_adam_mp_overflow", "allreduce_lamb_a2",
         "allreduce_sgd_a3"]
-THREE = ["adasum_adam", "zero_adam_clip", "zero_adam_mp", "allreduce_sgd_a3"]
+THREE = ["adasum_adam", "zero_adam_clip", "zero_adam_mp", "zero_adasum_adam", "allreduce_sgd_a3"]
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -211,13 +211,14 @@ def test_allreduce_scales_by_steps_times_ranks(four: dict[str, np.ndarray], thre
 
 @pytest.mark.parametrize("n,name", [(4, "allreduce_lamb_a2"), (4, "zero_adam_clip"), (4, "zero_adam_mp"),
                                     (4, "zero_tiny_adam"), (4, "zero_tiny_adam_mp_overflow"),
-                                    (3, "zero_adam_clip"), (3, "zero_adam_mp")])
+                                    (3, "zero_adam_clip"), (3, "zero_adam_mp"), (3, "zero_adasum_adam")])
 def test_ranks_train_as_one_process(four: dict[str, np.ndarray], three: dict[str, np.ndarray],
                                     n: int, name: str) -> None:
     """LAMB under allreduce and Adam under ZeRO stage 1 (clipping by the global norm; weights cut over
     three ranks; ranks owning only padding, also when float16 overflows and every rank must skip): each
     step's weights, global norm and all-finite flag equal one process's on the whole batch, and ZeRO's
-    gathered optimizer state is that process's state."""
+    gathered optimizer state is that process's state. ZeRO and Adasum both set: ZeRO, also on three
+    ranks."""
     got = four if n == 4 else three
     case = wk.CASES[name]
     sess, want, norms = _one_process(case, n)
@@ -228,7 +229,9 @@ def test_ranks_train_as_one_process(four: dict[str, np.ndarray], three: dict[str
         np.testing.assert_array_equal(mine["flags"], sess.test_flags, err_msg=f"{name} rank {r}")
         if case.mp:  # the overflowing case skips every update, the others apply every one
             assert sess.test_flags == [case.loss_scale < 1e20] * wk.STEPS, (name, sess.test_flags)
-        if case.mode != "zero":
+        if case.mode == "zero+adasum":  # ZeRO, with a warning (and on three ranks)
+            assert any("ZeRO is used" in m for m in mine["warnings"]), mine["warnings"]
+        if "zero" not in case.mode:
             continue
         gathered = {k.split("/", 1)[1]: v for k, v in mine.items() if k.startswith("gathered/")}
         full = sess.get_state()
@@ -238,19 +241,37 @@ def test_ranks_train_as_one_process(four: dict[str, np.ndarray], three: dict[str
             assert rel_err(gathered[k], v) <= 1e-5, f"{name} rank {r} {k}: {rel_err(gathered[k], v):.3g}"
 
 
+def _cut_run(tmp_path, ranks: int) -> dict[str, np.ndarray]:
+    wk.register_cut_cases()
+    out = tmp_path / f"cut{ranks}.npz"
+    r = run_mpi("cut", str(out), ",".join(wk.cut_cases(ranks)), n=ranks, worker=wk.__file__, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return dict(np.load(out))
+
+
 def test_four_way_split_and_four_stages_train_as_one_process(tmp_path) -> None:
     """horizontal_parallel_size = 4 (an MLP's 16 hidden units, 4 a rank; two GELU blocks) and
     pipeline_parallel_size = 4 (a node a stage): the losses, the gathered state and a forward-only output
     equal one process's accumulating the same micro-batches (the other tests split over two ranks)."""
     from tests.parallel.test_pipeline import compare
 
-    wk.register_cut_cases()
-    out = tmp_path / "cut4.npz"
-    r = run_mpi("cut", str(out), ",".join(wk.CUT_CASES), n=4, worker=wk.__file__, timeout=180)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    got = dict(np.load(out))
-    for case in wk.CUT_CASES:
+    got = _cut_run(tmp_path, 4)
+    for case in wk.cut_cases(4):
         compare(got, case, 2e-6)
+
+
+def test_four_replicas_of_stages_and_of_a_split(tmp_path) -> None:
+    """Eight ranks: four data-parallel replicas of two pipeline stages or of a two-way split, averaging
+    (also under ZeRO stage 1) as one process accumulating every replica's micro-batches, and under Adasum
+    as one process a replica whose deltas the float64 tree combines (two levels over four replicas; a split
+    weight's dot products those of the whole tensor)."""
+    from tests.parallel.test_pipeline import assert_adasum, compare
+
+    got = _cut_run(tmp_path, 8)
+    for case in ("adam2x4_clip", "adam2x4_zero_clip", "adam_h2x4_gelu_zero", "sgd_h2x4_gelu_blocks"):
+        compare(got, case, 2e-6)
+    assert_adasum(got, "adam2x4_adasum_clip", "adam2x4_clip")
+    assert_adasum(got, "sgd_h2x4_gelu_adasum", "sgd_h2x4_gelu_blocks")
 
 
 def test_zero_layouts_of_these_cases() -> None:
