@@ -54,6 +54,7 @@ class Evaluator:
         # the weights the inference-mode model still reads (a Dropout's training_mode initializer goes)
         taken = {v.name for v in scored.graph.input}
         self.weight_names = [n for n in weight_names if n in taken]
+        self.labels = LabelLoss.of(model, cfg.model.labels, cfg.model.loss)
 
     def _seed(self) -> None:
         """Seed the random nodes that eval mode keeps (RandomNormal, ...; Dropout is off) from training.seed
@@ -68,23 +69,92 @@ class Evaluator:
         if self.comm is not None:
             arrays = {k: parallel.shard(v, self.comm.rank, self.comm.size, drop_remainder=False)
                       for k, v in arrays.items()}
-        loss_sum, n, correct, count = 0.0, 0, 0, 0
+        loss_sum, n, correct, count = 0.0, 0.0, 0, 0
         for batch in data_mod.eval_batches(arrays, self.cfg.training.eval_batch_size):
             loss, logits = self.plan.run({**batch, **w}, self.names)
             labels = batch[labels_name]
-            k = len(labels)
-            loss_sum += float(loss) * k
-            n += k
+            kept = self.labels.kept(labels)
+            k = self.labels.weight(labels, kept, weights)  # the batch's share of the whole set's mean loss
+            if k:  # (a batch of ignored labels only: its mean is 0/0, and it counts for nothing)
+                loss_sum += float(loss) * k
+                n += k
             if np.issubdtype(labels.dtype, np.integer) and logits.ndim == labels.ndim + 1:
-                correct += int(np.count_nonzero(logits.argmax(axis=1) == labels))
-                count += labels.size
+                right = logits.argmax(axis=1) == labels
+                correct += int(np.count_nonzero(right if kept is None else right & kept))
+                count += labels.size if kept is None else int(np.count_nonzero(kept))
         if self.comm is not None:
             sums = self.comm.allreduce_(np.array([loss_sum, n, correct, count], np.float64), "eval sums")
-            loss_sum, n, correct, count = float(sums[0]), int(sums[1]), int(sums[2]), int(sums[3])
-        out = {"eval_loss": loss_sum / max(n, 1)}
+            loss_sum, n, correct, count = float(sums[0]), float(sums[1]), int(sums[2]), int(sums[3])
+        out = {"eval_loss": loss_sum / n if n else 0.0}
         if count:
             out["eval_accuracy"] = correct / count
         return out
+
+
+_LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
+class LabelLoss:
+    """How the eval set's batches make up its mean loss and accuracy, from the SoftmaxCrossEntropyLoss or
+    NegativeLogLikelihoodLoss node that reads the labels: labels equal to its ``ignore_index`` count in
+    neither, and when that node's mean (reduction ``mean``) is the model's loss, each batch weighs as its
+    labels do (their class weights summed, when the weights are an initializer), as torch's
+    ``CrossEntropyLoss`` over the whole set; otherwise as its rows. A batch whose labels are all ignored
+    weighs nothing (its mean is 0/0)."""
+
+    def __init__(self, ignore: int | None = None, by_labels: bool = False, class_weights: str | None = None,
+                 initial: np.ndarray | None = None):
+        self.ignore = ignore
+        self.by_labels = by_labels
+        self.class_weights = class_weights  # the initializer holding them
+        self.initial = initial  # their value in the model
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, labels: str, loss: str) -> LabelLoss:
+        """The labels' loss node of ``model`` (labels input ``labels``, loss output ``loss``)."""
+        g = model.graph
+        node = next((n for n in g.node if n.op_type in _LABEL_LOSSES and len(n.input) > 1
+                     and n.input[1] == labels), None)
+        if node is None:
+            return cls()
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        ignore = attrs.get("ignore_index")
+        reduction = attrs.get("reduction", b"mean")
+        reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+        producers = {o: n for n in g.node for o in n.output}
+        value = loss
+        while value in producers and producers[value] is not node and producers[value].op_type == "Identity":
+            value = producers[value].input[0]  # (an exporter's Identity between the loss and the output)
+        weights = name = None
+        if len(node.input) > 2 and node.input[2]:
+            name = node.input[2]
+            weights = next((onnx.numpy_helper.to_array(t) for t in g.initializer if t.name == name), None)
+            if weights is None:  # class weights fed or computed: their sum per batch is not known here
+                return cls(ignore)
+        by_labels = reduction == "mean" and producers.get(value) is node
+        return cls(ignore, by_labels, name, weights)
+
+    def kept(self, labels: np.ndarray) -> np.ndarray | None:
+        """Which labels count (None: all of them)."""
+        if self.ignore is None or not np.issubdtype(labels.dtype, np.integer):
+            return None
+        kept = labels != self.ignore
+        return None if kept.all() else kept
+
+    def weight(self, labels: np.ndarray, kept: np.ndarray | None, weights: dict[str, np.ndarray]) -> float:
+        """The batch's weight in the eval set's mean loss, in rows (its row count when no label is left out
+        and there are no class weights); ``weights`` are the model's current ones."""
+        rows = len(labels)
+        if kept is not None and not kept.any():
+            return 0
+        if not self.by_labels or (kept is None and self.class_weights is None):
+            return rows
+        per_row = labels.size / rows
+        if self.class_weights is None:
+            return int(np.count_nonzero(kept)) / per_row
+        counted = labels if kept is None else labels[kept]
+        values = np.asarray(weights.get(self.class_weights, self.initial), np.float64)
+        return float(values[counted].sum()) / per_row
 
 
 def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False

@@ -1,0 +1,110 @@
+"""``onnxtrain train`` used as a PyTorch / Lightning / Hugging Face user would: runs killed with SIGKILL at
+chosen points and resumed, eval metrics recomputed from the exported model with onnxruntime and numpy,
+config mistakes located in the file, a damaged checkpoint named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _records(folder: str) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _ort_logits(model: str, x: np.ndarray) -> np.ndarray:
+    sess = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0].astype(np.float64)
+
+
+# ---- eval metrics of a loss with an ignore_index ------------------------------------------------
+
+CLASS_WEIGHTS = np.array([0.5, 2.0, 1.25], np.float32)
+
+
+def _ignore_index_run(tmp_path, eval_batch: int, weighted: bool) -> str:
+    """A linear classifier whose SoftmaxCrossEntropyLoss has ignore_index -1 (and CLASS_WEIGHTS when
+    ``weighted``), trained on files whose labels are -1 in places (the eval file's first 10 rows all -1);
+    returns the config path."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "b")]
+    if weighted:
+        inits.append(numpy_helper.from_array(CLASS_WEIGHTS, "cw"))
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["logits"]),
+         helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y", *(["cw"] if weighted else [])], ["loss"],
+                          ignore_index=-1)],
+        "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                   helper.make_tensor_value_info("y", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+
+    def arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        r = np.random.default_rng(seed)
+        x = r.normal(size=(n, 4)).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5)
+        y[r.random(n) < 0.4] = -1
+        return x, y
+
+    x, y = arrays(200, 1)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    x, y = arrays(50, 2)
+    y[:10] = -1  # a whole eval batch of ignored labels
+    np.savez(tmp_path / "eval.npz", x=x, y=y)
+    cfg = {"model": {"path": "m.onnx"},
+           "data": {"source": "files", "path": "train.npz", "eval_path": "eval.npz",
+                    "feeds": {"x": "x", "y": "y"}},
+           "optimizer": {"name": "sgd", "lr": 0.1},
+           "training": {"batch_size": 20, "steps": 5, "eval_batch_size": eval_batch},
+           "output": {"plot": False}}
+    if weighted:  # (the class weights are constants of the loss, not trained)
+        cfg["training"]["parameters"] = {"weights_not_to_train": ["cw"]}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("eval_batch,weighted", [(10, False), (7, False), (1024, False), (7, True)])
+def test_eval_leaves_out_labels_the_loss_ignores(tmp_path, capsys, eval_batch, weighted):
+    """torch's CrossEntropyLoss(ignore_index=...) and the ONNX loss average over the labels that are not
+    ignored; the eval did that per batch and then weighted the batches by rows (a batch of only ignored
+    labels gave NaN: "training diverged", exit 1), and counted ignored labels as wrong predictions. Now
+    both metrics are those of the whole eval set, whatever training.eval_batch_size, as numpy computes them
+    from onnxruntime's logits of the exported model (torch's cross_entropy for the loss with class
+    weights)."""
+    config = _ignore_index_run(tmp_path, eval_batch, weighted)
+    out = str(tmp_path / "out")
+    assert main(["train", config, "--output-dir", out, "-q"]) == 0, capsys.readouterr().err
+    data = np.load(tmp_path / "eval.npz")
+    x, y = data["x"], data["y"]
+    logits = _ort_logits(os.path.join(out, "model.onnx"), x)
+    kept = y != -1
+    top = logits.max(axis=1)
+    picked = logits[np.arange(len(y)), np.where(kept, y, 0)]
+    nll = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top - picked
+    expected = nll[kept].mean()
+    if weighted:
+        torch = pytest.importorskip("torch")
+        expected = torch.nn.functional.cross_entropy(
+            torch.tensor(logits), torch.tensor(y), weight=torch.tensor(CLASS_WEIGHTS, dtype=torch.float64),
+            ignore_index=-1).item()
+    last = [r for r in _records(out) if "eval_loss" in r][-1]
+    assert last["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert last["eval_accuracy"] == (logits.argmax(axis=1) == y)[kept].mean()
+    capsys.readouterr()
+    assert main(["eval", config, "--checkpoint", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {k: last[k] for k in ("eval_loss", "eval_accuracy")}
