@@ -3,6 +3,8 @@ model and against central differences on nested branches; the gradient graphs ru
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -927,3 +929,43 @@ def test_an_outer_optional_read_by_a_body_is_refused_by_name() -> None:
                                             r"value\(s\) \['opt'\]"):
         build_gradient_model(model, "loss", ["W", "x"])
     onnx.checker.check_model(build_gradient_model(model, "loss", ["W"]), full_check=True)  # W alone: fine
+
+
+class SplitAtIndices(nn.Module):
+    """``torch.tensor_split`` at run-time indices: the TorchScript exporter writes a Loop whose body declares
+    its iteration number of shape [1] (ONNX's is a scalar; onnxruntime then gives it that rank) and slices x
+    at bounds gathered with it."""
+
+    def forward(self, x: torch.Tensor, cuts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.tensor_split(x, cuts, dim=1)
+
+
+def test_loop_whose_body_declares_a_1d_iteration_number() -> None:
+    """The forward Loop's stash of the iteration number keeps the body's declared shape, and the backward
+    body binds the iteration number in that shape: the gradient graph passes the full check (it failed:
+    rank 1 inferred against the stash's declared scalar) and gives torch's gradients on both runtimes."""
+    x = torch.randn(3, 7, 2, dtype=torch.float64)
+    cuts = torch.tensor([1, 3, 6])
+    buffer = io.BytesIO()
+    torch.onnx.export(SplitAtIndices(), (x, cuts), buffer, dynamo=False, opset_version=17,
+                      input_names=["x", "cuts"], output_names=[f"y{i}" for i in range(4)])
+    model = onnx.load_from_string(buffer.getvalue())
+    loop = next(n for n in model.graph.node if n.op_type == "Loop")
+    assert len(loop.attribute[0].g.input[0].type.tensor_type.shape.dim) == 1  # the export's declaration
+    rng = np.random.default_rng(5)
+    pieces = torch.tensor_split(x, cuts, dim=1)
+    weights = [rng.uniform(0.5, 1.5, p.shape) for p in pieces]
+    for i, w in enumerate(weights):
+        model.graph.initializer.append(numpy_helper.from_array(w, f"w{i}"))
+        model.graph.node.extend([helper.make_node("Mul", [f"y{i}", f"w{i}"], [f"p{i}"]),
+                                 helper.make_node("ReduceSum", [f"p{i}"], [f"s{i}"], keepdims=0)])
+    model.graph.node.append(helper.make_node("Sum", [f"s{i}" for i in range(4)], ["loss"]))
+    model.graph.output.append(helper.make_tensor_value_info("loss", T.DOUBLE, []))
+    gmodel = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    xt = x.clone().requires_grad_(True)
+    loss = sum((p * torch.from_numpy(w)).sum() for p, w in zip(torch.tensor_split(xt, cuts, dim=1), weights))
+    (want,) = torch.autograd.grad(loss, [xt])
+    feeds = {"x": x.numpy(), "cuts": cuts.numpy()}
+    for got in (engine_outputs(gmodel, feeds), ort_outputs(gmodel, feeds)):
+        np.testing.assert_allclose(got["x_grad"], want.numpy(), rtol=1e-12, atol=1e-12)

@@ -159,7 +159,7 @@ def loop_grad(g: GradCtx) -> None:
     kept = [(formal[2 + j], types[j]) for j in tensors] + [(d.value, d.type) for d in draws]
     stashed = _stash(g, body, kept, label, iterations=True)
     back = _ReverseLoop(g, label, g.emit("Size", stashed[-1]))
-    back.bind(formal[0], back.idx)
+    back.bind(formal[0], back.as_vector(back.idx) if _iteration_is_vector(body) else back.idx)
     back.bind(formal[1], back.true)
     for name, st in zip([formal[2 + j] for j in tensors] + drawn, stashed):
         back.bind(name, back.gather(st, back.idx, 0))
@@ -519,6 +519,14 @@ class _ReverseLoop:
         self.head.append(helper.make_node("Gather", [source, position], [out], axis=axis))
         return out
 
+    def as_vector(self, value: str) -> str:
+        """A scalar ``value`` as a 1-element vector, inside the backward body."""
+        axes, out = f"{self.pre}axes{len(self.head)}", f"{self.pre}u{len(self.head)}"
+        self.head.append(helper.make_node("Constant", [], [axes],
+                                          value=numpy_helper.from_array(np.array([0], np.int64))))
+        self.head.append(helper.make_node("Unsqueeze", [value, axes], [out]))
+        return out
+
     def add(self, a: str, b: str) -> str:
         """``a + b``, inside the backward body."""
         out = f"{self.pre}a{len(self.head)}"
@@ -650,7 +658,7 @@ def _stash(
     pre = bw.names(f"{label}_stash") + "/"
     wanted = [(f"v{j}", name, tp) for j, (name, tp) in enumerate(values)]
     if iterations:
-        wanted.append(("iteration", body.input[0].name, helper.make_tensor_type_proto(TensorProto.INT64, [])))
+        wanted.append(("iteration", body.input[0].name, _iteration_type(body)))
     stashed = []
     for tag, src, tp in wanted:
         body.node.append(helper.make_node("Identity", [src], [pre + tag]))
@@ -659,6 +667,20 @@ def _stash(
         stashed.append(g.node.output[-1])
     bw.names.taken.update(o.name for o in body.output)
     return stashed
+
+
+def _iteration_type(body: onnx.GraphProto) -> onnx.TypeProto:
+    """The type of a Loop body's iteration number: a scalar, or a 1-element vector where the body declares
+    one (torch's TorchScript exporter does; onnxruntime then gives it that shape)."""
+    if _iteration_is_vector(body):
+        return helper.make_tensor_type_proto(TensorProto.INT64, [1])
+    return helper.make_tensor_type_proto(TensorProto.INT64, [])
+
+
+def _iteration_is_vector(body: onnx.GraphProto) -> bool:
+    tp = body.input[0].type
+    return (tp.HasField("tensor_type") and tp.tensor_type.HasField("shape")
+            and len(tp.tensor_type.shape.dim) == 1)
 
 
 def _declared_rank(v: onnx.ValueInfoProto) -> int | None:
