@@ -648,3 +648,42 @@ def _packed64(values: dict[str, np.ndarray], names: list[str], shapes: dict, p: 
     if flat:
         return np.concatenate([values[n].ravel() for n in names])
     return values[p].reshape(shapes[p])
+
+
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_initial_states_are_what_the_graph_starts_from(opt: str, mixed_precision: bool) -> None:
+    """LoadOptimState_FullPrecision_Adam / _Lamb (orttraining/orttraining/test/graph/
+    optimizer_graph_builder_test.cc): moments of 4 and a count of 3 given for two [1] weights are the state
+    before the first step (Adam's Update_Count per weight, Lamb's shared Step), and the first step reads
+    them (count 3 in, 4 out), with and without mixed precision."""
+    weights = {"weight_1": np.array([1.0]), "weight_2": np.array([1.0])}
+    four, three = np.array([4.0], F32), np.array([3], np.int64)
+    if opt == "AdamOptimizer":
+        state = {n: moments(four, four, Update_Count=three) for n in weights}
+    else:
+        state = {**{n: moments(four, four) for n in weights}, "shared_optimizer_state": {"Step": three}}
+    sess = session(opt, weights, state=state, use_mixed_precision=mixed_precision,
+                   optimizer_int_attributes_map={n: {"do_bias_correction": 1} for n in weights})
+    got = sess.get_optimizer_state()
+    for n in weights:
+        for key in ("Moment_1", "Moment_2"):
+            np.testing.assert_array_equal(got[n][key], four, err_msg=f"{n} {key}")
+        if opt == "AdamOptimizer":
+            assert got[n]["Update_Count"].tolist() == [3]
+    if opt == "LambOptimizer":
+        assert got["shared_optimizer_state"]["Step"].tolist() == [3]
+    # the gradient 2 of optimizer_graph_builder_test's base graph, one step at η 0.1
+    step(sess, {n: [2.0] for n in weights}, 0.1, loss_scale=1.0 if mixed_precision else None)
+    ref = adam_ref if opt == "AdamOptimizer" else lamb_ref
+    eps = 1e-8 if opt == "AdamOptimizer" else 1e-6
+    want, m1, m2 = ref(np.array([1.0]), np.array([2.0]), np.array([4.0]), np.array([4.0]), 3, 0.1, eps=eps,
+                       bias=True)
+    got = sess.get_optimizer_state()
+    for n in weights:
+        close(sess.get_state()[n], want, rtol=1e-6, what=n)
+        close(got[n]["Moment_1"], m1, rtol=1e-6, what=f"{n} Moment_1")
+        if opt == "AdamOptimizer":
+            assert got[n]["Update_Count"].tolist() == [4]
+    if opt == "LambOptimizer":
+        assert got["shared_optimizer_state"]["Step"].tolist() == [4]
