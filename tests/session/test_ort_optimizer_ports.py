@@ -18,6 +18,8 @@ that mode's data are ported to the legacy AdamOptimizer's weight_decay_mode 0 in
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -42,7 +44,11 @@ def fed_gradient_model(weights: dict[str, np.ndarray], dtype=F32) -> onnx.ModelP
                   helper.make_node("ReduceSum", [f"prod_{n}"], [f"sum_{n}"], keepdims=0)]
         inputs.append(helper.make_tensor_value_info(f"G_{n}", et, list(w.shape)))
         parts.append(f"sum_{n}")
-    nodes.append(helper.make_node("Sum", parts, ["loss"]))
+    total = parts[0]
+    for i, part in enumerate(parts[1:]):  # Adds, not one Sum: onnxruntime-training has no gradient for Sum
+        nodes.append(helper.make_node("Add", [total, part], [f"total_{i}"]))
+        total = f"total_{i}"
+    nodes.append(helper.make_node("Identity", [total], ["loss"]))
     g = helper.make_graph(nodes, "fed_gradients", inputs, [helper.make_tensor_value_info("loss", et, [])],
                           [numpy_helper.from_array(np.asarray(w, dtype), n) for n, w in weights.items()])
     return make_model(g, 17)
@@ -687,3 +693,79 @@ def test_initial_states_are_what_the_graph_starts_from(opt: str, mixed_precision
             assert got[n]["Update_Count"].tolist() == [4]
     if opt == "LambOptimizer":
         assert got["shared_optimizer_state"]["Step"].tolist() == [4]
+
+
+_ORTT_STEPS = r"""
+import json
+
+import numpy as np
+from onnxruntime.training import artifacts
+
+base, folder, optimizer, data = sys.argv[1], sys.argv[2], sys.argv[3], np.load(sys.argv[4])
+names = json.loads(sys.argv[5])
+artifacts.generate_artifacts(onnx.load(base), requires_grad=names, loss=None,
+                             optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=folder)
+state, m, o = open_artifacts(folder, 1e-3)
+steps = []
+for t in range(10):
+    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
+    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
+print(json.dumps(steps))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_ondevice_artifacts_step_as_onnxruntime_training_on_the_hugging_face_data(optimizer: str,
+                                                                                  tmp_path) -> None:
+    """HFAdamWMultipleWeightsTest_Loop10Steps and SGDMultipleWeightsTest_Loop10Steps (cuda/optimizer/
+    adamw_test.cc, sgd_test.cc: the same four weights, 10 steps at lr 1e-3): generate_artifacts with
+    OptimType.AdamW or OptimType.SGD on a model whose gradients are its inputs, trained by onnxtrain's
+    Module and Optimizer and by onnxruntime-training 1.19.2's on its own artifacts; after every step both
+    hold the float64 formula's weights (Hugging Face's AdamW; w − lr·g), and at the end onnxruntime's
+    expected AdamW weights."""
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+    from tests.ortt import PREAMBLE, run_script
+
+    names = list(HF_SHAPES)
+    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
+    base = str(tmp_path / "base.onnx")
+    onnx.save(model, base)
+    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
+            for n in names for t in range(10)}
+    np.savez(tmp_path / "data.npz", **data)
+    (tmp_path / "theirs").mkdir()
+    theirs = run_script(PREAMBLE + _ORTT_STEPS, base, str(tmp_path / "theirs"), optimizer,
+                        str(tmp_path / "data.npz"), json.dumps(names))
+
+    ours_dir = tmp_path / "ours"
+    ours_dir.mkdir()
+    artifacts.generate_artifacts(model, requires_grad=names, loss=None,
+                                 optimizer=getattr(artifacts.OptimType, optimizer),
+                                 artifact_directory=ours_dir)
+    state = CheckpointState.load_checkpoint(ours_dir / "checkpoint")
+    module = Module(str(ours_dir / "training_model.onnx"), state)
+    opt = Optimizer(str(ours_dir / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(1e-3)
+    if optimizer == "AdamW":
+        reference = hf_adamw_reference()
+    else:
+        w = {n: np.array(HF_FIRST[n], F32).astype(F64).reshape(HF_SHAPES[n]) for n in names}
+        reference = []
+        for t in range(10):
+            w = {n: w[n] - 1e-3 * data[f"{n}_{t}"].astype(F64) for n in names}
+            reference.append(w)
+    for t in range(10):
+        module(*[data[f"{n}_{t}"] for n in names])
+        opt.step()
+        module.lazy_reset_grad()
+        for n in names:
+            ours = state.parameters[n].data
+            close(ours, reference[t][n], rtol=1e-6, atol=1e-7, what=f"{n}, step {t + 1} (float64)")
+            close(ours.ravel(), theirs[t][n], rtol=1e-6, atol=1e-7,
+                  what=f"{n}, step {t + 1} (onnxruntime-training)")
+    if optimizer == "AdamW":
+        for n in names:
+            close(state.parameters[n].data.ravel(), HF_LAST[n], rtol=1e-4, atol=1e-5,
+                  what=f"{n} (onnxruntime's)")
+    assert opt.step_count == 10
