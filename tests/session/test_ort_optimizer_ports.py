@@ -1,4 +1,4 @@
-"""onnxruntime's optimizer kernel tests, ported to onnxtrain's legacy TrainingSession and on-device AdamW.
+"""onnxruntime's optimizer kernel tests, ported to the legacy TrainingSession and the on-device AdamW and SGD.
 
 onnxruntime tested its SGDOptimizer, AdamOptimizer and LambOptimizer kernels one call at a time: chosen
 weights, gradients, moments and step counts in, expected weights, moments and counts out. The legacy session
@@ -77,6 +77,7 @@ def step(sess: TrainingSession, grads: dict[str, np.ndarray], lr: float, loss_sc
 
 
 def moments(m1, m2, dtype=F32, **extra) -> dict:
+    """One weight's entry of set_optimizer_initial_state: its moments in ``dtype`` and ``extra`` states."""
     return {"Moment_1": np.asarray(m1, dtype), "Moment_2": np.asarray(m2, dtype), **extra}
 
 
@@ -98,7 +99,7 @@ def test_sgd_kernel_case(backend: str) -> None:
 # ------------------------------------------------------------------------------------------------------ Adam
 # AdamOptimizerInputOutput (optimizer_ops_test.cc): one step from Update_Count 3 with the default α, β, ε
 ADAM_CASE = dict(lr=0.5, w=[1.0, 2.0, 3.0], g=[4.0, 5.0, 6.0], m1=[0.1, 0.2, 0.3], m2=[0.4, 0.5, 0.6])
-# its expected outputs, computed by a kernel without bias correction (the op had none then)
+# its expected outputs, without bias correction (the test sets do_bias_correction 0)
 ADAM_CASE_OUT = dict(w=[0.6199609, 1.5305318, 2.4542853], m1=[0.49, 0.68, 0.87], m2=[0.4156, 0.5245, 0.6354])
 
 
