@@ -826,6 +826,9 @@ def _guarded(a: argparse.Namespace) -> int:
         where = where if where and where not in str(e) else None  # the message may name the file itself
         if e.path.startswith("--"):  # an option at fault (--resume), not a key of the file
             where = None
+        line = _config_line(a.config, e.path, a.set or ()) if where else None
+        if line is not None:  # file:line, as compilers write it (editors jump there)
+            where = f"{where}:{line}"
         print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)
         return EXIT_USAGE
     except UsageError as e:
@@ -861,6 +864,13 @@ def _guarded(a: argparse.Namespace) -> int:
             raise
         print(f"{prog}: {_one_line(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _config_line(config: str, key: str, overrides: list[str]) -> int | None:
+    """The line of the config file where the key at fault is written (None: a --set value, or unknown)."""
+    from onnxtrain.train.config import key_line
+
+    return key_line(config, key, overrides)
 
 
 # import name -> what pip installs it as

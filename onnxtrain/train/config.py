@@ -671,6 +671,51 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
     return validate(cfg)
 
 
+def key_line(path: str | os.PathLike, key: str, overrides: Sequence[str] = ()) -> int | None:
+    """The line (1-based) of the config file at ``path`` where ``key`` (a ConfigError's key path, such as
+    ``model.args.sizes[1]``) is written, else where its nearest enclosing key is; None when the value came
+    from an override (``key.path=value``) or the file does not say (or cannot be read)."""
+    if not key or key.startswith("-"):
+        return None
+    for o in overrides:
+        given = o.split("=", 1)[0].strip()
+        if key == given or key.startswith((given + ".", given + "[")):
+            return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            loader = _Loader(f.read())
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError, RecursionError):
+        return None
+    lines: dict[str, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    while stack:  # (each node once: an alias does not walk the value it repeats again)
+        node, where = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    sub = f"{where}.{k.value}" if where else str(k.value)
+                    lines.setdefault(sub, k.start_mark.line + 1)
+                    stack.append((v, sub))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = f"{where}[{i}]"
+                lines.setdefault(sub, item.start_mark.line + 1)
+                stack.append((item, sub))
+    while key:
+        if key in lines:
+            return lines[key]
+        key = re.sub(r"(\[\d+\]|\.[^.\[]*)$", "", key) if re.search(r"[.\[]", key) else ""
+    return None
+
+
 def config_from_dict(raw: dict[str, Any], name: str = "run", base_dir: str = ".") -> Config:
     """A checked Config from a mapping (as a YAML file would give)."""
     cfg = from_dict(Config, raw, "")

@@ -108,3 +108,72 @@ def test_eval_leaves_out_labels_the_loss_ignores(tmp_path, capsys, eval_batch, w
     capsys.readouterr()
     assert main(["eval", config, "--checkpoint", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {k: last[k] for k in ("eval_loss", "eval_accuracy")}
+
+
+# ---- config errors located in the file -------------------------------------------------------------
+
+_LOCATED = """\
+model:
+  builder: mlp
+  args:
+    sizes:
+      - 64
+      - 16.5
+      - 10
+  logits: {logits}
+data: {{source: digits}}
+training:
+  epochs: 1
+  batch_size: 32
+  {extra}
+output: {{plot: false, export: false}}
+"""
+
+
+def _error(capsys, config: str, *args: str) -> str:
+    capsys.readouterr()
+    assert main(["train", config, "-q", *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def _line_of(path: str, text: str) -> int:
+    """The 1-based line of ``path`` that holds ``text`` (once)."""
+    with open(path, encoding="utf-8") as f:
+        found = [i + 1 for i, line in enumerate(f) if text in line]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_config_errors_name_the_line_of_the_key(tmp_path, capsys):
+    """A mistyped key, a value of the wrong type (in a list), a key a later check refuses and a cross-key
+    error are reported as ``file:line: key: ...`` at the line the file writes the key (or its enclosing
+    key); a value from --set names no line of the file."""
+    path = str(tmp_path / "run.yaml")
+    out = ["--output-dir", str(tmp_path / "out")]
+
+    def write(logits: str = "logits", extra: str = "seed: 0") -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_LOCATED.format(logits=logits, extra=extra))
+
+    write(extra="batchsize: 64")
+    line = _error(capsys, path, *out)
+    assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'batchsize')}: training.batchsize: "
+                           "unknown key (did you mean 'batch_size'?)"), line
+    write()
+    line = _error(capsys, path, *out)
+    assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, '16.5')}: model.args.sizes[1]: "
+                           "expected an int"), line
+    line = _error(capsys, path, *out, "--set", "model.args.sizes=[64,16.5,10]")
+    assert line.startswith(f"onnxtrain train: {path}: model.args.sizes[1]: expected an int"), line
+    write(logits="nope")
+    line = _error(capsys, path, *out, "--set", "model.args.sizes=[64,16,10]")
+    assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'logits: nope')}: model.logits: 'nope' "
+                           "is not a value of the model"), line
+    write(extra="steps: 0")
+    line = _error(capsys, path, *out, "--set", "model.args.sizes=[64,16,10]")
+    assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'steps: 0')}: training.steps: "), line
+    write()  # builder and path: a cross-key error, at the section's line
+    line = _error(capsys, path, *out, "--set", "model.path=m.onnx")
+    assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'model:')}: model: give exactly one of "
+                           "builder"), line
