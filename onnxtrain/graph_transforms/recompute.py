@@ -524,14 +524,17 @@ def find_transformer_layers(model: onnx.ModelProto, loss: str) -> list[tuple[str
 
 
 def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute_layers: int = 0) -> set[str]:
-    """Activations of the first ``number_recompute_layers`` layers (0: all layers but the last)."""
+    """Activations of the first ``number_recompute_layers`` layers (0: all layers but the last; a negative
+    value too, with a note, as onnxruntime's transformer read any value below 1)."""
     layers = find_transformer_layers(model, loss)
     if not layers:
         _note("transformer_layer_recompute: no transformer layer found; nothing is recomputed")
         return set()
     n, most = int(number_recompute_layers), len(layers) - 1
     if n < 0:
-        raise ValueError(f"number_recompute_layers must be >= 0, got {n}")
+        _note(f"number_recompute_layers={n} is below 0: taken as 0 (as onnxruntime did), every layer but "
+              f"the last, {most}, is recomputed")
+        n = 0
     if n == 0:
         n = most
     elif n > most:

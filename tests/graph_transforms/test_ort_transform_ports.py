@@ -302,13 +302,14 @@ def gpt_grad() -> tuple[onnx.ModelProto, list]:
     return grad, find_transformer_layers(grad, "loss")
 
 
-@pytest.mark.parametrize("number,layers", [(1, 1), (2, 2), (0, 3), (3, 3), (9, 3)])
+@pytest.mark.parametrize("number,layers", [(1, 1), (2, 2), (0, 3), (3, 3), (9, 3), (-1, 3)])
 def test_transformer_layer_recompute_takes_the_first_layers(gpt_grad, number: int, layers: int) -> None:
     """onnxruntime's TransformerLayerRecompute on a 4-layer stack: ``number_recompute_layers`` k recomputes
-    layers 0..k-1; 0 means every layer but the last, and more than that is cut to it with a warning; the last
-    layer is never recomputed. Each clone is named after its node with ``_recompute`` (a Dropout's rebuild: a
-    few nodes named after it), runs after the forward part, and no clone draws random numbers (a Dropout is
-    rebuilt from its saved mask)."""
+    layers 0..k-1; 0 means every layer but the last, and more than that is cut to it with a warning, as is a
+    negative value (onnxruntime's binding takes -1, which its transformer reads as the default; it was an
+    error here); the last layer is never recomputed. Each clone is named after its node with ``_recompute``
+    (a Dropout's rebuild: a few nodes named after it), runs after the forward part, and no clone draws random
+    numbers (a Dropout is rebuilt from its saved mask)."""
     from onnxtrain.graph_transforms.recompute import transformer_layer_recompute
 
     grad, found = gpt_grad
@@ -316,7 +317,7 @@ def test_transformer_layer_recompute_takes_the_first_layers(gpt_grad, number: in
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = transformer_layer_recompute(grad, "loss", number_recompute_layers=number)
-    assert any("number_recompute_layers" in str(c.message) for c in caught) == (number > 3)
+    assert any("number_recompute_layers" in str(c.message) for c in caught) == (number > 3 or number < 0)
     onnx.checker.check_model(out, full_check=True)
     names = {n.name for n in grad.graph.node}
     forward_end = max(k for k, n in enumerate(out.graph.node) if "loss" in n.output)
@@ -349,3 +350,23 @@ def test_dynamic_loss_scaler_reads_the_flag_as_run_returns_it() -> None:
         with pytest.raises(ValueError, match="train_step_info"):
             s.update(bad)
     assert s.loss_scale == 2.0 ** 7
+
+
+def test_legacy_session_takes_a_negative_number_recompute_layers_as_onnxruntime() -> None:
+    """TrainingParameters.number_recompute_layers = -1 (onnxruntime's binding stores it, its transformer
+    recomputes every layer but the last): the session builds the training graph of 0, with a warning naming
+    the option (it failed: "number_recompute_layers must be >= 0")."""
+    from onnxtrain import TrainingSession
+    from tests.graph_transforms import nets
+    from tests.session.helpers import params
+
+    model = nets.gpt(3).SerializeToString()
+    graphs = {}
+    for n in (0, -1):
+        p = params("SGDOptimizer", transformer_layer_recompute=True, number_recompute_layers=n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sess = TrainingSession(model, p)
+        assert any("number_recompute_layers=-1" in str(c.message) for c in caught) == (n < 0)
+        graphs[n] = [(m.op_type, list(m.input), list(m.output)) for m in sess._graphs.full.graph.node]
+    assert graphs[-1] == graphs[0]
