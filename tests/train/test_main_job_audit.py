@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import onnx
@@ -177,3 +181,137 @@ def test_config_errors_name_the_line_of_the_key(tmp_path, capsys):
     line = _error(capsys, path, *out, "--set", "model.path=m.onnx")
     assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'model:')}: model: give exactly one of "
                            "builder"), line
+
+
+# ---- kill -9 at chosen points, then --resume --------------------------------------------------------
+
+KILL_CONFIG = {
+    "model": {"builder": "mlp", "args": {"sizes": [64, 16, 10]}},
+    "data": {"source": "digits"},
+    "optimizer": {"name": "adam", "lr": 0.01},
+    "schedule": {"kind": "cosine", "warmup_steps": 5, "final_lr_ratio": 0.1},
+    "training": {"batch_size": 64, "epochs": 3, "eval_every": 7, "checkpoint_every": 5, "log_every": 3,
+                 "keep_checkpoints": 2},
+    "output": {"plot": False, "export": True},
+}
+
+# runs `onnxtrain train ARGS` and SIGKILLs itself at the point argv[1] names, the argv[2]-th time there
+_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    point, nth, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    seen = [0]
+
+    def reached():
+        seen[0] += 1
+        return seen[0] == nth
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    from onnxtrain.session import TrainingSession
+    from onnxtrain.train import loop
+
+    if point == "step":  # in a training step, between checkpoints
+        run = TrainingSession.run
+        def killing_run(self, *a, **k):
+            if reached():
+                die()
+            return run(self, *a, **k)
+        TrainingSession.run = killing_run
+    elif point == "checkpoint":  # the checkpoint's bytes written to its temporary, not yet renamed
+        save = loop.save_checkpoint
+        def killing_save(*a, **k):
+            if reached():
+                fsync = os.fsync
+                def killing_fsync(fd):
+                    fsync(fd)
+                    die()
+                os.fsync = killing_fsync
+            return save(*a, **k)
+        loop.save_checkpoint = killing_save
+    elif point == "prune":  # a new checkpoint saved, the oldest not yet deleted
+        remove = loop.remove_checkpoint
+        def killing_remove(path):
+            if reached():
+                die()
+            return remove(path)
+        loop.remove_checkpoint = killing_remove
+    elif point == "metrics":  # half of a metrics.jsonl line written
+        line = loop.json_line
+        log = loop.Trainer._log
+        def killing_log(self, records, fh, record):
+            if fh is not None and reached():
+                fh.write(line(record)[:20])
+                fh.flush()
+                die()
+            return log(self, records, fh, record)
+        loop.Trainer._log = killing_log
+    elif point == "export":  # after the last checkpoint, while model.onnx is written
+        export = loop.export_model
+        def killing_export(model, cfg, weights, path):
+            fsync = os.fsync
+            def killing_fsync(fd):
+                fsync(fd)
+                die()
+            os.fsync = killing_fsync
+            return export(model, cfg, weights, path)
+        loop.export_model = killing_export
+    from onnxtrain.cli import main
+    sys.exit(main(["train", *args]))
+""")
+
+
+@pytest.fixture(scope="module")
+def kill_setup(tmp_path_factory):
+    """(config path, driver path, folder of an uninterrupted run of it)."""
+    folder = tmp_path_factory.mktemp("killed")
+    config = folder / "run.yaml"
+    config.write_text(yaml.safe_dump(KILL_CONFIG))
+    driver = folder / "killer.py"
+    driver.write_text(_KILLER)
+    whole = str(folder / "whole")
+    assert main(["train", str(config), "--output-dir", whole, "-q"]) == 0
+    return str(config), str(driver), whole
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def _without_speed(folder: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in _records(folder)]
+
+
+@pytest.mark.parametrize("kills", [
+    [("step", 23)], [("checkpoint", 3)], [("prune", 2)], [("metrics", 9)], [("export", 1)],
+    [("step", 12), ("checkpoint", 4)],  # the resumed run killed too
+])
+def test_resume_after_kill_9_ends_as_an_uninterrupted_run(kill_setup, tmp_path, kills):
+    """A run SIGKILLed in a step, mid-checkpoint write, between a save and the pruning of the oldest
+    checkpoint, mid metrics line or mid export (and its resumed run killed again), then resumed with
+    --resume, leaves the files of an uninterrupted run: the checkpoints and model.onnx byte for byte, the
+    same metrics.jsonl records (but samples_per_s), no temporaries."""
+    config, driver, whole = kill_setup
+    out = str(tmp_path / "run")
+    args = [config, "--output-dir", out, "-q"]
+    for i, (point, nth) in enumerate(kills):
+        proc = subprocess.run([sys.executable, driver, point, str(nth), *args, *(["--resume"] if i else [])],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        if point in ("checkpoint", "export"):  # killed with the file half written: its temporary is there
+            assert any(n.endswith(".onnxtrain.tmp") for n in _files(out)), sorted(_files(out))
+    proc = subprocess.run([sys.executable, "-m", "onnxtrain", "train", *args, "--resume"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got, expected = _files(out), _files(whole)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if name.startswith("checkpoints") or name == "model.onnx":
+            assert got[name] == expected[name], name
+    assert _without_speed(out) == _without_speed(whole)
