@@ -390,11 +390,22 @@ class Trainer:
         if diff and self.main:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)
+        self.total = self._epochs_length(st)
         if st.global_step > self.total and self.main:
             print(f"onnxtrain: warning: the checkpoint is at step {st.global_step}, past the {self.total} "
                   "steps this config trains (training.epochs / training.steps): nothing more to train",
                   file=sys.stderr)
         return st
+
+    def _epochs_length(self, st: RunState) -> int:
+        """The run's length in optimizer steps, resumed at ``st``: ``training.steps``, or the step where
+        ``training.epochs`` passes over the data end (steps of the checkpoint's batch size before, of this
+        config's after: the same as epochs × steps an epoch unless the batch size changed)."""
+        t = self.cfg.training
+        if t.steps is not None or st.epoch >= t.epochs:  # (an epoch count already reached: as before)
+            return self.total if t.steps is not None else min(self.total, st.global_step)
+        left = (self.data.n_train - st.epoch_pos) // (t.batch_size * self.micro)  # in this epoch
+        return st.global_step + left + (t.epochs - st.epoch - 1) * self.steps_per_epoch
 
     # ---- metrics ----
     def _start_metrics(self, resume_step: int | None) -> _Logged:

@@ -315,3 +315,31 @@ def test_resume_after_kill_9_ends_as_an_uninterrupted_run(kill_setup, tmp_path, 
         if name.startswith("checkpoints") or name == "model.onnx":
             assert got[name] == expected[name], name
     assert _without_speed(out) == _without_speed(whole)
+
+
+# ---- --resume with another batch size, the run's length in epochs ----------------------------------
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_resume_with_another_batch_size_trains_the_configs_epochs(tmp_path, capsys, epochs):
+    """A run stopped after 10 steps of 64 samples, resumed with training.batch_size 32 and
+    ``training.epochs``: it ends where that many passes over the 1,438 digits end (the rest of epoch 0 in
+    full batches of 32, then 44 steps an epoch). It ran ``epochs`` × 44 steps of any size instead: 10 steps
+    into a second pass with epochs: 1."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**KILL_CONFIG, "output": {"plot": False, "export": False}}))
+    out = str(tmp_path / "run")
+    common = [str(config), "--output-dir", out, "-q", "--set", "training.checkpoint_every=1000"]
+    assert main(["train", *common, "--set", "training.steps=10"]) == 0
+    assert main(["train", *common, "--resume", "--set", "training.steps=null", "--set",
+                 f"training.epochs={epochs}", "--set", "training.batch_size=32"]) == 0
+    n, first = 1438, 10 * 64
+    rest = (n - first) // 32  # full batches of 32 left in epoch 0
+    steps = 10 + rest + (epochs - 1) * (n // 32)
+    assert f"for {steps} steps" in capsys.readouterr().out
+    from onnxtrain.checkpoint import load_checkpoint
+    from onnxtrain.train.outputs import list_checkpoints
+
+    ((step, path),) = list_checkpoints(out)[-1:]
+    props = load_checkpoint(path).properties
+    assert (step, props["epoch"], props["epoch_samples"]) == (steps, epochs, 0)
+    assert props["samples_seen"] == first + rest * 32 + (epochs - 1) * (n // 32) * 32
