@@ -770,3 +770,66 @@ def test_ondevice_artifacts_step_as_onnxruntime_training_on_the_hugging_face_dat
             close(state.parameters[n].data.ravel(), HF_LAST[n], rtol=1e-4, atol=1e-5,
                   what=f"{n} (onnxruntime's)")
     assert opt.step_count == 10
+
+
+_ORTT_DEFAULT_ATTRIBUTES = r"""
+import numpy as np
+from onnxruntime.training import artifacts
+
+base, folder, data = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
+names = json.loads(sys.argv[4])
+artifacts.generate_artifacts(onnx.load(base), requires_grad=names, loss=None,
+                             optimizer=artifacts.OptimType.AdamW, artifact_directory=folder)
+opt_model = onnx.load(folder + "/optimizer_model.onnx")
+for node in opt_model.graph.node:
+    if node.op_type == "AdamWOptimizer":  # all but adam_mode left to the operator's defaults
+        kept = [a for a in node.attribute if a.name == "adam_mode"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+onnx.save(opt_model, folder + "/optimizer_model.onnx")
+state, m, o = open_artifacts(folder, 0.05)
+steps = []
+for t in range(3):
+    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
+    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
+print(json.dumps(steps))
+"""
+
+
+def test_translated_adamw_node_takes_the_operator_defaults(tmp_path) -> None:
+    """An AdamWOptimizer node of onnxruntime-training that leaves its attributes out (an onnxblock AdamW given
+    weight_decay=None writes none) runs with the operator schema's defaults (orttraining/orttraining/core/
+    graph/training_op_defs.cc: α 0.9, β 0.999, ε 1e-8, weight_decay 1e-2, correct_bias 1): onnxtrain's
+    Optimizer, translating that model, steps as onnxruntime-training 1.19.2 does on it (3 steps at lr
+    0.05). The translation took weight_decay 0: no decay, 3e-4 off per step here."""
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+    from tests.ortt import PREAMBLE, run_script
+
+    names = list(HF_SHAPES)
+    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
+    base = str(tmp_path / "base.onnx")
+    onnx.save(model, base)
+    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
+            for n in names for t in range(3)}
+    np.savez(tmp_path / "data.npz", **data)
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    theirs = run_script(PREAMBLE + _ORTT_DEFAULT_ATTRIBUTES, base, str(folder), str(tmp_path / "data.npz"),
+                        json.dumps(names))
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(str(folder / "training_model.onnx"), state)
+    opt = Optimizer(str(folder / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.05)
+    w = {n: np.array(HF_FIRST[n], F32).astype(F64).reshape(HF_SHAPES[n]) for n in names}
+    m1 = {n: np.zeros(s) for n, s in HF_SHAPES.items()}
+    m2 = {n: np.zeros(s) for n, s in HF_SHAPES.items()}
+    for t in range(3):
+        module(*[data[f"{n}_{t}"] for n in names])
+        opt.step()
+        module.lazy_reset_grad()
+        for n in names:
+            w[n], m1[n], m2[n] = adam_ref(w[n], data[f"{n}_{t}"].astype(F64), m1[n], m2[n], t + 1, 0.05,
+                                          lam=1e-2, eps=1e-8, mode=1)
+            ours = state.parameters[n].data
+            close(ours.ravel(), theirs[t][n], rtol=1e-6, atol=1e-7, what=f"{n}, step {t + 1}")
+            close(ours, w[n], rtol=1e-6, atol=1e-7, what=f"{n}, step {t + 1} (float64)")

@@ -15,6 +15,11 @@ from onnxtrain.training.ort_artifacts.common import (
     node_label,
 )
 
+# the AdamWOptimizer operator's attribute defaults (onnxruntime's training_op_defs.cc), which a node that
+# leaves an attribute out runs with: its weight decay is torch's AdamW default, not 0
+ADAMW_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "weight_decay": 1e-2, "correct_bias": 1,
+                  "adam_mode": 0}
+
 
 def _trainable(training_model: onnx.ModelProto) -> list[tuple[str, onnx.TypeProto]]:
     types = {v.name: v.type for v in training_model.graph.input}
@@ -50,16 +55,17 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
         if node.op_type == "InplaceClipGradNorm":
             clip = optim.ClipGradNorm(float(a.get("max_norm", 1.0)))
         elif node.op_type == "AdamWOptimizer":
-            if int(a.get("adam_mode", 0)) != 1:
+            a = {**ADAMW_DEFAULTS, **a}
+            if int(a["adam_mode"]) != 1:
                 raise TranslationError(
-                    f"{node_label(node)}: adam_mode {a.get('adam_mode', 0)} (PyTorch's AdamW) is not "
+                    f"{node_label(node)}: adam_mode {a['adam_mode']} (PyTorch's AdamW) is not "
                     "translated; onnxruntime-training's generate_artifacts writes adam_mode 1"
                 )
             block = optim.AdamW(
-                bias_correction=bool(a.get("correct_bias", 1)),
-                betas=(float(a.get("alpha", 0.9)), float(a.get("beta", 0.999))),
-                eps=float(a.get("epsilon", 1e-8)),
-                weight_decay=float(a.get("weight_decay", 0.0)),
+                bias_correction=bool(a["correct_bias"]),
+                betas=(float(a["alpha"]), float(a["beta"])),
+                eps=float(a["epsilon"]),
+                weight_decay=float(a["weight_decay"]),
                 clip_grad=None,
             )
         elif node.op_type == "SGDOptimizerV2":
