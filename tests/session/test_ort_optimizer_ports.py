@@ -833,3 +833,63 @@ def test_translated_adamw_node_takes_the_operator_defaults(tmp_path) -> None:
             ours = state.parameters[n].data
             close(ours.ravel(), theirs[t][n], rtol=1e-6, atol=1e-7, what=f"{n}, step {t + 1}")
             close(ours, w[n], rtol=1e-6, atol=1e-7, what=f"{n}, step {t + 1} (float64)")
+
+
+_ORTT_BLOCK_STEPS = r"""
+import numpy as np
+from onnxruntime.training import artifacts, onnxblock
+
+base, folder, data = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
+names, kwargs = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+artifacts.generate_artifacts(onnx.load(base), requires_grad=names, loss=None,
+                             optimizer=onnxblock.optim.AdamW(**kwargs), artifact_directory=folder)
+state, m, o = open_artifacts(folder, 0.05)
+steps = []
+for t in range(3):
+    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
+    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
+print(json.dumps(steps))
+"""
+
+
+@pytest.mark.parametrize("kwargs", [{"weight_decay": None}, {"eps": None}, {"bias_correction": None}],
+                         ids=["weight_decay", "eps", "bias_correction"])
+def test_adamw_block_options_of_none_step_as_onnxruntime_training(kwargs: dict, tmp_path) -> None:
+    """onnxruntime-training's onnxblock AdamW takes None for eps and weight_decay (typed Optional) and then
+    writes no such attribute, so its AdamWOptimizer runs with the operator's defaults, ε 1e-8 and weight
+    decay 1e-2 (training_op_defs.cc); None for bias_correction turns the correction off. onnxtrain's block,
+    given the same, steps as onnxruntime-training 1.19.2's artifacts (3 steps at lr 0.05 on the Hugging Face
+    data's weights) and records the values it ran with."""
+    from onnxtrain.training import artifacts, onnxblock
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+    from tests.ortt import PREAMBLE, run_script
+
+    names = list(HF_SHAPES)
+    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
+    base = str(tmp_path / "base.onnx")
+    onnx.save(model, base)
+    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
+            for n in names for t in range(3)}
+    np.savez(tmp_path / "data.npz", **data)
+    (tmp_path / "theirs").mkdir()
+    theirs = run_script(PREAMBLE + _ORTT_BLOCK_STEPS, base, str(tmp_path / "theirs"),
+                        str(tmp_path / "data.npz"), json.dumps(names), json.dumps(kwargs))
+    ours_dir = tmp_path / "ours"
+    ours_dir.mkdir()
+    block = onnxblock.optim.AdamW(**kwargs)
+    want = {"eps": 1e-8 if "eps" in kwargs else 1e-6, "bias_correction": "bias_correction" not in kwargs,
+            "weight_decay": 1e-2 if "weight_decay" in kwargs else 0.0}
+    assert {k: block.hyperparameters()[k] for k in want} == want
+    artifacts.generate_artifacts(model, requires_grad=names, loss=None, optimizer=block,
+                                 artifact_directory=ours_dir)
+    state = CheckpointState.load_checkpoint(ours_dir / "checkpoint")
+    module = Module(str(ours_dir / "training_model.onnx"), state)
+    opt = Optimizer(str(ours_dir / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.05)
+    for t in range(3):
+        module(*[data[f"{n}_{t}"] for n in names])
+        opt.step()
+        module.lazy_reset_grad()
+        for n in names:
+            close(state.parameters[n].data.ravel(), theirs[t][n], rtol=1e-6, atol=1e-7,
+                  what=f"{n}, step {t + 1}")

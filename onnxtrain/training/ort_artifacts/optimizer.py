@@ -15,11 +15,6 @@ from onnxtrain.training.ort_artifacts.common import (
     node_label,
 )
 
-# the AdamWOptimizer operator's attribute defaults (onnxruntime's training_op_defs.cc), which a node that
-# leaves an attribute out runs with: its weight decay is torch's AdamW default, not 0
-ADAMW_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "weight_decay": 1e-2, "correct_bias": 1,
-                  "adam_mode": 0}
-
 
 def _trainable(training_model: onnx.ModelProto) -> list[tuple[str, onnx.TypeProto]]:
     types = {v.name: v.type for v in training_model.graph.input}
@@ -40,6 +35,7 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
     trainable parameters of ``training_model``; a model without them is returned as it is."""
     from onnxtrain.training.artifacts import build_optimizer_model
     from onnxtrain.training.onnxblock import optim
+    from onnxtrain.training.onnxblock.optim.optim import ADAMW_OPERATOR_DEFAULTS
 
     if not is_onnxruntime_training_model(model):
         return model
@@ -55,7 +51,7 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
         if node.op_type == "InplaceClipGradNorm":
             clip = optim.ClipGradNorm(float(a.get("max_norm", 1.0)))
         elif node.op_type == "AdamWOptimizer":
-            a = {**ADAMW_DEFAULTS, **a}
+            a = {**ADAMW_OPERATOR_DEFAULTS, **a}  # (its weight decay default is 1e-2, not 0)
             if int(a["adam_mode"]) != 1:
                 raise TranslationError(
                     f"{node_label(node)}: adam_mode {a['adam_mode']} (PyTorch's AdamW) is not "

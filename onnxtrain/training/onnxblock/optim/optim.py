@@ -32,6 +32,10 @@ from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase, d
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
 
 CLIP_EPS = 1e-6
+# the attribute defaults of onnxruntime's AdamWOptimizer operator (training_op_defs.cc): a node that leaves an
+# attribute out runs with them, as onnxruntime-training's AdamW block writes for eps or weight_decay None
+ADAMW_OPERATOR_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "weight_decay": 1e-2,
+                           "correct_bias": 1, "adam_mode": 0}
 ALL_FINITE = "all_gradients_finite"
 
 
@@ -245,6 +249,16 @@ def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, to
     return acc.node("Add", [acc.node("Mul", [old, acc.scalar(beta, et)], "mul_output")[0], scaled], token)[0]
 
 
+def _option(value: Any, name: str, default: float) -> float:
+    """AdamW option ``name`` as a float, ``default`` for None; a BlockError naming it for anything else."""
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise BlockError(f"AdamW: {name} must be a number (or None), got {value!r}") from None
+
+
 def _as_type(acc: ModelBase, x: str, have: int, want: int) -> str:
     return x if have == want else acc.node("Cast", [x], "cast_output", to=want)[0]
 
@@ -282,19 +296,21 @@ class AdamW(Optimizer):
 
     def __init__(
         self,
-        bias_correction: bool = True,
+        bias_correction: bool | None = True,
         betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
+        eps: float | None = 1e-6,
+        weight_decay: float | None = 0.0,
         clip_grad: ClipGradNorm | None = None,
     ) -> None:
+        """``eps`` or ``weight_decay`` None: the AdamWOptimizer operator's default, 1e-8 and 1e-2, as in
+        onnxruntime-training's block (which then writes no attribute); ``bias_correction`` None: off."""
         super().__init__(clip_grad)
         if len(betas) != 2:
             raise BlockError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
         self.bias_correction = bool(bias_correction)
         self.betas = (float(betas[0]), float(betas[1]))
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
+        self.eps = _option(eps, "eps", ADAMW_OPERATOR_DEFAULTS["epsilon"])
+        self.weight_decay = _option(weight_decay, "weight_decay", ADAMW_OPERATOR_DEFAULTS["weight_decay"])
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
