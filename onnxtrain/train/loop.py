@@ -523,8 +523,9 @@ class Trainer:
         if not self._full_step_left(st):  # resumed with a larger batch: none left in this epoch's order
             _end_epoch(st, rng)
             perm = None
-        eval_every = t.eval_every or self.steps_per_epoch
-        ckpt_every = t.checkpoint_every or self.steps_per_epoch
+        # (null: at the end of each epoch, which a resumed run with another batch size does not reach at
+        # multiples of steps_per_epoch)
+        eval_every, ckpt_every = t.eval_every, t.checkpoint_every
         last_eval: dict[str, float] = {}
         window_t, window_samples = time.perf_counter(), 0  # the loss window itself is in st
         lr_feed = np.zeros([1], np.float32)
@@ -578,7 +579,8 @@ class Trainer:
                         st.samples += len(idx)
                     st.global_step += 1
                     s = st.global_step
-                    if not self._full_step_left(st):  # the rest of the order is shorter than a step: dropped
+                    epoch_end = not self._full_step_left(st)
+                    if epoch_end:  # the rest of the order is shorter than a step: dropped
                         _end_epoch(st, rng)
                         perm = None
                     bar.update(1)
@@ -593,12 +595,12 @@ class Trainer:
                         bar.set_postfix({"loss": f"{rec['loss']:.4f}", "lr": f"{lr:.2e}",
                                          "samples/s": f"{rec['samples_per_s']:.0f}"}, refresh=False)
                         st.window_loss, st.window_n, window_t, window_samples = 0.0, 0, now, 0
-                    if s % eval_every == 0 or s == self.total:
+                    if (s % eval_every == 0 if eval_every else epoch_end) or s == self.total:
                         last_eval = self.evaluate(self.data.eval, self.eval_weights())
                         self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval})
                         if show:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
-                    if s % ckpt_every == 0 or s == self.total:
+                    if (s % ckpt_every == 0 if ckpt_every else epoch_end) or s == self.total:
                         last_ckpt = self.save(st)
                     if window_samples == 0:  # samples/s counts training time only
                         window_t = time.perf_counter()

@@ -343,3 +343,22 @@ def test_resume_with_another_batch_size_trains_the_configs_epochs(tmp_path, caps
     props = load_checkpoint(path).properties
     assert (step, props["epoch"], props["epoch_samples"]) == (steps, epochs, 0)
     assert props["samples_seen"] == first + rest * 32 + (epochs - 1) * (n // 32) * 32
+
+
+def test_once_an_epoch_means_at_each_epochs_end_after_a_batch_size_change(tmp_path):
+    """eval_every and checkpoint_every null ("once an epoch") after --resume with another batch size: the
+    evals and checkpoints come where each pass over the data ends (step 34 for the rest of epoch 0 in
+    batches of 32, then 44 steps later), not at multiples of the new steps an epoch (44, 88)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**KILL_CONFIG, "output": {"plot": False, "export": False}}))
+    out = str(tmp_path / "run")
+    common = [str(config), "--output-dir", out, "-q", "--set", "training.eval_every=null", "--set",
+              "training.checkpoint_every=null", "--set", "training.keep_checkpoints=0"]
+    assert main(["train", *common, "--set", "training.steps=10"]) == 0
+    assert main(["train", *common, "--resume", "--set", "training.steps=null", "--set", "training.epochs=3",
+                 "--set", "training.batch_size=32"]) == 0
+    from onnxtrain.train.outputs import list_checkpoints
+
+    ends = [10 + (1438 - 640) // 32 + k * (1438 // 32) for k in range(3)]  # 34, 78, 122
+    assert [r["step"] for r in _records(out) if "eval_loss" in r] == [10, *ends]
+    assert [step for step, _ in list_checkpoints(out)] == [10, *ends]
