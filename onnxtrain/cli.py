@@ -600,8 +600,8 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train the model a YAML config describes; writes metrics.jsonl, "
                                     "config.yaml (the config as resolved), checkpoints, metrics.png and "
                                     "model.onnx to the output folder. Ctrl-C "
-                                    "stops between steps (exit 130); --resume continues from the last "
-                                    "checkpoint.")
+                                    "stops between steps and saves a checkpoint there (exit 130); --resume "
+                                    "continues from the last checkpoint.")
     _add_config_args(tr)
     tr.add_argument("--output-dir",
                     help="where the run's files go (default: output.dir, else runs/<config name>)")

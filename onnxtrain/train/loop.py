@@ -4,9 +4,9 @@ The output folder holds ``metrics.jsonl`` (one JSON object per logged step and p
 ``checkpoints/step_<N>.ckpt`` (written atomically), ``metrics.png``, ``model.onnx`` (a plain
 inference model of the trained weights) and ``config.yaml`` (the resolved configuration).
 
-Ctrl-C (SIGINT) sets a flag that the loop checks between steps: it stops there without writing
-anything, so the last complete checkpoint is what ``--resume`` continues from. A second Ctrl-C
-raises KeyboardInterrupt at once (files are still only ever replaced atomically).
+Ctrl-C (SIGINT) sets a flag that the loop checks between steps: it stops there and saves a checkpoint of
+that step (unless it has one), which ``--resume`` continues from. A second Ctrl-C raises KeyboardInterrupt
+at once, that save too (files are only ever replaced atomically: the last complete checkpoint stays).
 
 Under ``mpiexec -n N`` every rank runs the loop on its share of each global batch (``split_batch``:
 the batch size stays the config's, so N ranks train as one process would); gradients are averaged
@@ -543,9 +543,13 @@ class Trainer:
         try:
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh, \
                     _Interrupts() as stop:
+                started = st.global_step
                 while st.global_step < self.total:
                     if self._stop_requested(stop.hit):
                         status = "interrupted"
+                        here = checkpoint_path(self.out, st.global_step)
+                        if st.global_step > started and last_ckpt != here:  # (a second Ctrl-C stops the
+                            last_ckpt = self.save(st)  # save at once: the files stay whole)
                         break
                     lr = self.lr(st.global_step - st.skipped_steps)  # a skipped update does not advance it
                     lr_feed[0] = lr

@@ -362,3 +362,39 @@ def test_once_an_epoch_means_at_each_epochs_end_after_a_batch_size_change(tmp_pa
     ends = [10 + (1438 - 640) // 32 + k * (1438 // 32) for k in range(3)]  # 34, 78, 122
     assert [r["step"] for r in _records(out) if "eval_loss" in r] == [10, *ends]
     assert [step for step, _ in list_checkpoints(out)] == [10, *ends]
+
+
+# ---- Ctrl-C -----------------------------------------------------------------------------------------
+
+def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch):
+    """Ctrl-C at step 23 of a run that checkpoints every 1000 steps: the run saves a checkpoint of step 23
+    before it exits 130 (it left none, so --resume started over, the 23 steps lost), and --resume from it
+    ends with the uninterrupted run's checkpoint and model.onnx, byte for byte, and its metrics."""
+    from onnxtrain.session import TrainingSession
+
+    config = tmp_path / "run.yaml"
+    raw = {**KILL_CONFIG, "training": {**KILL_CONFIG["training"], "checkpoint_every": 1000}}
+    config.write_text(yaml.safe_dump(raw))
+    whole, out = str(tmp_path / "whole"), str(tmp_path / "run")
+    assert main(["train", str(config), "--output-dir", whole, "-q"]) == 0
+    calls = [0]
+    run = TrainingSession.run
+
+    def interrupted_run(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 23:  # Ctrl-C during step 23: the loop stops after it
+            signal.raise_signal(signal.SIGINT)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingSession, "run", interrupted_run)
+    capsys.readouterr()
+    assert main(["train", str(config), "--output-dir", out, "-q"]) == 130
+    err = capsys.readouterr().err
+    saved = os.path.join(out, "checkpoints", "step_00000023.ckpt")
+    assert f"interrupted at step 23; the last checkpoint is {saved}; continue with --resume" in err, err
+    monkeypatch.undo()
+    assert main(["train", str(config), "--output-dir", out, "-q", "--resume"]) == 0
+    got, expected = _files(out), _files(whole)
+    for name in ("checkpoints/step_00000066.ckpt", "model.onnx"):
+        assert got[name] == expected[name], name
+    assert _without_speed(out) == _without_speed(whole)
