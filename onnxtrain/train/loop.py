@@ -505,7 +505,15 @@ class Trainer:
         last_ckpt = None
         if resume:
             last_ckpt = found[-1][1]
-            st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
+            try:
+                st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
+            except ConfigError:  # a checkpoint that does not fit the config: the one before would not either
+                raise
+            except ValueError as e:  # a damaged file (the format has no checksum: one that reads may be too)
+                if len(found) < 2:
+                    raise
+                raise ValueError(f"{e}; move it away to resume from the checkpoint before it, {found[-2][1]}"
+                                 ) from None
             rng = data_mod.rng_from_str(st.epoch_rng)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):

@@ -398,3 +398,24 @@ def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch)
     for name in ("checkpoints/step_00000066.ckpt", "model.onnx"):
         assert got[name] == expected[name], name
     assert _without_speed(out) == _without_speed(whole)
+
+
+@pytest.mark.parametrize("keep", [b"", 3000])
+def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(kill_setup, tmp_path, capsys, keep):
+    """The latest checkpoint emptied or cut short (a disk that filled, a copy that stopped): --resume
+    exits 1 with one line naming the damaged file and how to go on from the checkpoint before it."""
+    import shutil
+
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    older, latest = (os.path.join(out, "checkpoints", f"step_000000{s}.ckpt") for s in (65, 66))
+    with open(latest, "rb") as f:
+        data = f.read()
+    with open(latest, "wb") as f:
+        f.write(keep if isinstance(keep, bytes) else data[:keep])
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"Cannot load checkpoint '{latest}': the file is damaged" in line, line
+    assert f"move it away to resume from the checkpoint before it, {older}" in line, line
