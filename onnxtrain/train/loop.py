@@ -431,6 +431,20 @@ class Trainer:
             fh.write(json_line(record))
             fh.flush()
 
+    def _labels_counted(self, feeds: dict[str, np.ndarray], ignore: int) -> bool:
+        """Whether a micro-batch holds a label that its loss does not ignore."""
+        labels = feeds.get(self.cfg.model.labels)
+        return labels is None or not np.issubdtype(labels.dtype, np.integer) or bool((labels != ignore).any())
+
+    def _rank_mean(self, loss: float, held: bool | None) -> float:
+        """The ranks' mean of their logged losses; with ``held`` given (labels that may all be ignored:
+        whether this rank's window held a loss), of the ranks whose window held one (NaN: none did)."""
+        if held is None:
+            return self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks
+        total = self.comm.allreduce_scalar(loss if held else 0.0, "averaging the logged loss")
+        ranks = self.comm.allreduce_scalar(float(held), "counting the ranks with a logged loss")
+        return total / ranks if ranks else math.nan
+
     def _stop_requested(self, hit: bool) -> bool:
         """Ctrl-C seen here, or (under mpiexec) on any rank: all ranks stop after the same step."""
         if self.comm is None:
@@ -546,6 +560,8 @@ class Trainer:
             if st.loss_scale:
                 scaler.loss_scale, scaler.stable_steps = st.loss_scale, st.loss_scale_stable_steps
         show = self.progress and main
+        # the label the loss ignores: a batch of such labels only has no loss (0/0) to log
+        ignore = self.evaluate.labels.ignore
         bar = _progress_bar(show, total=self.total, initial=st.global_step, desc=self.cfg.name)
         status = "finished"
         try:
@@ -584,8 +600,10 @@ class Trainer:
                                 st.skipped_steps += not bool(finite)
                                 st.loss_scale = scaler.loss_scale
                                 st.loss_scale_stable_steps = scaler.stable_steps
-                        st.window_loss += check_loss_value(loss, self.cfg.model.loss)
-                        st.window_n += 1
+                        value = check_loss_value(loss, self.cfg.model.loss)
+                        if ignore is None or self._labels_counted(feeds, ignore):  # (else: 0/0, no loss)
+                            st.window_loss += value
+                            st.window_n += 1
                         window_samples += len(idx)
                         st.epoch_pos += len(idx)
                         st.samples += len(idx)
@@ -598,9 +616,9 @@ class Trainer:
                     bar.update(1)
                     if s % t.log_every == 0 or s == self.total:
                         now = time.perf_counter()
-                        loss = st.window_loss / st.window_n
+                        loss = st.window_loss / st.window_n if st.window_n else math.nan
                         if self.comm is not None:  # each rank's loss is the mean over its equal share
-                            loss = self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks
+                            loss = self._rank_mean(loss, st.window_n > 0 if ignore is not None else None)
                         rec = {"step": s, "epoch": st.epoch, "loss": loss, "lr": lr,
                                "samples_per_s": window_samples / max(now - window_t, 1e-9)}
                         self._log(records, fh, rec)

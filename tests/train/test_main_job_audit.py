@@ -419,3 +419,44 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(kill_setup
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"Cannot load checkpoint '{latest}': the file is damaged" in line, line
     assert f"move it away to resume from the checkpoint before it, {older}" in line, line
+
+
+def test_a_batch_of_ignored_labels_only_leaves_the_logged_loss_finite(tmp_path, capsys):
+    """Batches of 2 from 40 samples of which 30 have the ignored label -1, every other batch none but those:
+    such a batch has no loss (0/0, as torch's), and the logged loss of its log window was null with a
+    "training diverges" warning. The window now averages the batches that have labels. Oracle:
+    torch's cross_entropy(ignore_index=-1) of each batch in the trainer's documented data order, under an
+    SGD rate too small to move a float32 weight."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.train import data as data_mod
+
+    config = _ignore_index_run(tmp_path, 1024, weighted=False)
+    x = np.load(tmp_path / "train.npz")["x"][:40]
+    order = data_mod.order_rng(0).permutation(40)  # the first epoch's order (README: seeded, one an epoch)
+    y = np.full(40, -1, np.int64)
+    y[order[::4]] = [0, 1, 2, 1, 0, 2, 2, 1, 0, 1]  # every other batch of 2 holds one counted label
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    with open(config) as f:
+        raw = yaml.safe_load(f)
+    raw["optimizer"]["lr"] = 1e-30
+    raw["training"].update(batch_size=2, steps=20, log_every=5)
+    with open(config, "w") as f:
+        yaml.safe_dump(raw, f)
+    out = str(tmp_path / "out")
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q"]) == 0
+    assert "diverges" not in capsys.readouterr().err
+    model = onnx.load(tmp_path / "m.onnx")
+    w = {t.name: torch.tensor(numpy_helper.to_array(t), dtype=torch.float64) for t in model.graph.initializer}
+    expected = []
+    for first in range(0, 20, 5):
+        losses = []
+        for step in range(first, first + 5):
+            idx = order[2 * step:2 * step + 2]
+            if (y[idx] != -1).any():
+                logits = torch.tensor(x[idx], dtype=torch.float64) @ w["W"] + w["b"]
+                losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(y[idx]),
+                                                                ignore_index=-1).item())
+        expected.append(sum(losses) / len(losses))
+    logged = [r["loss"] for r in _records(out) if "loss" in r]
+    np.testing.assert_allclose(logged, expected, rtol=1e-6)
