@@ -460,3 +460,35 @@ def test_a_batch_of_ignored_labels_only_leaves_the_logged_loss_finite(tmp_path, 
         expected.append(sum(losses) / len(losses))
     logged = [r["loss"] for r in _records(out) if "loss" in r]
     np.testing.assert_allclose(logged, expected, rtol=1e-6)
+
+
+# ---- the terminal ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="no pseudo-terminals here")
+def test_a_terminal_run_with_no_color_writes_no_colour_codes(kill_setup, tmp_path):
+    """On a terminal (a pseudo-terminal here) with NO_COLOR set, the progress bar, eval lines and summary
+    carry no ANSI colour or style codes (SGR, ``ESC [ ... m``), and the bar redraws in place (carriage
+    returns) rather than printing a line per update."""
+    import re
+
+    config, _, _ = kill_setup
+    leader, follower = os.openpty()
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "xterm-256color"}
+    argv = [sys.executable, "-m", "onnxtrain", "train", config, "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    text = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        text += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, text[-2000:]
+    assert b"trained run for 66 steps" in text
+    assert not re.findall(rb"\x1b\[[0-9;]*m", text), text[-2000:]
+    lines = text.replace(b"\r\n", b"\n").split(b"\n")
+    assert len(lines) < 20, len(lines)  # 10 eval lines, the summary: the bar itself adds no lines
