@@ -488,6 +488,9 @@ def validate(cfg: Config) -> Config:
         for k in ("vocab", "length", "train_size", "eval_size"):
             if getattr(d, k) < 1:
                 raise ConfigError(f"data.{k}", f"expected a positive int, got {getattr(d, k)}")
+        if d.vocab > 2**63:
+            raise ConfigError("data.vocab", f"expected an int from 1 to 2**63 (the token ids are int64), got "
+                                            f"{d.vocab}")
     o = cfg.optimizer
     if not (math.isfinite(o.lr) and o.lr > 0):
         raise ConfigError("optimizer.lr", f"expected a positive number, got {o.lr}")

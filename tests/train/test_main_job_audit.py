@@ -492,3 +492,14 @@ def test_a_terminal_run_with_no_color_writes_no_colour_codes(kill_setup, tmp_pat
     assert not re.findall(rb"\x1b\[[0-9;]*m", text), text[-2000:]
     lines = text.replace(b"\r\n", b"\n").split(b"\n")
     assert len(lines) < 20, len(lines)  # 10 eval lines, the summary: the bar itself adds no lines
+
+
+@pytest.mark.parametrize("vocab", [2**63 + 1, 10**20])
+def test_a_sequence_vocab_past_int64_is_refused_naming_the_key(tmp_path, capsys, vocab):
+    """data.vocab draws int64 token ids below it: one past 2**63 failed while the data was drawn, as
+    "high is out of bounds for int64" (exit 1, no key named)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{builder: transformer}}\ndata: {{source: sequence, vocab: {vocab}}}\n"
+                      "training: {steps: 1}\n")
+    line = _error(capsys, str(config), "--output-dir", str(tmp_path / "out"))
+    assert f"data.vocab: expected an int from 1 to 2**63 (the token ids are int64), got {vocab}" in line, line
