@@ -391,6 +391,8 @@ class Trainer:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)
         self.total = self._epochs_length(st)
+        if self.progress and self.main and path:  # (as the progress bar: not with -q)
+            print(f"onnxtrain: resuming from {path} (step {st.global_step} of {self.total})", file=sys.stderr)
         if st.global_step > self.total and self.main:
             print(f"onnxtrain: warning: the checkpoint is at step {st.global_step}, past the {self.total} "
                   "steps this config trains (training.epochs / training.steps): nothing more to train",

@@ -503,3 +503,24 @@ def test_a_sequence_vocab_past_int64_is_refused_naming_the_key(tmp_path, capsys,
                       "training: {steps: 1}\n")
     line = _error(capsys, str(config), "--output-dir", str(tmp_path / "out"))
     assert f"data.vocab: expected an int from 1 to 2**63 (the token ids are int64), got {vocab}" in line, line
+
+
+def test_resume_says_where_it_resumes_unless_quiet(kill_setup, tmp_path, capsys):
+    """--resume printed nothing about the checkpoint it took (a CI log showed the run go on at step 66 of
+    66 with no word of it), as Lightning's "Restoring states from the checkpoint path" does; now one
+    line on stderr names it and its step, left out with -q as the progress is."""
+    import shutil
+
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    os.remove(os.path.join(out, "checkpoints", "step_00000066.ckpt"))
+    latest = os.path.join(out, "checkpoints", "step_00000065.ckpt")
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "--resume", "-q"]) == 0
+    assert "resuming" not in capsys.readouterr().err
+    shutil.rmtree(out)
+    shutil.copytree(whole, out)
+    os.remove(os.path.join(out, "checkpoints", "step_00000066.ckpt"))
+    assert main(["train", config, "--output-dir", out, "--resume"]) == 0
+    assert f"onnxtrain: resuming from {latest} (step 65 of 66)\n" in capsys.readouterr().err
