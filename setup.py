@@ -4,10 +4,11 @@ MPI = ["mpi4py>=3.1", "mpich"]
 # the oracles and tools the tests use (the MPI tests spawn the mpich wheel's mpiexec)
 # onnxscript: torch's own exporter of opset 23 and later (dynamo), for the tests of such exports
 # pytest-xdist: the suite runs on two worker processes (-n 2), in about half the time on two CPUs
+# expecttest: imported by torch's OpInfo database (torch.testing._internal), which test_torch_opinfo.py reads
 # onnxruntime >= 1.32: the oracle the suite was checked against (1.23, the last for Python 3.10, reads no
 # model of IR version 12 or later: 861 of the suite's comparisons failed there)
 TEST = ["pytest>=7", "pytest-timeout", "pytest-xdist", "torch==2.13.0", "onnxruntime>=1.32",
-        "flatbuffers>=23", "onnxscript", *MPI]
+        "flatbuffers>=23", "onnxscript", "expecttest", *MPI]
 
 setup(
     name="onnxtrain",
