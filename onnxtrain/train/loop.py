@@ -220,6 +220,7 @@ class Trainer:
                                                      "an equal part of every batch)")
         self.model = build_model(cfg)
         self.data = feed_names(cfg, self.model, data_mod.load_data(cfg))
+        self._check_fixed_batch()
         self.params = training_parameters(cfg, self.model)
         if self.split > 1 and t.data_parallel_size == 1:  # the default: the world's replicas, unwarned
             self.params.data_parallel_size = self.replicas
@@ -242,6 +243,26 @@ class Trainer:
                                                      f"more than the {self.data.n_train} training samples")
         self.total = t.steps if t.steps is not None else t.epochs * self.steps_per_epoch
         self.metrics_path = os.path.join(self.out, "metrics.jsonl")
+
+    def _check_fixed_batch(self) -> None:
+        """A ConfigError naming training.batch_size when a model input the data feeds declares a fixed batch
+        size (an export without a dynamic batch axis) that the batches fed to each rank do not have (the
+        first step would fail on it; eval and the export take any batch size)."""
+        t = self.cfg.training
+        rows = t.batch_size // self.replicas
+        for v in self.model.graph.input:
+            if v.name not in self.data.train or not v.type.tensor_type.HasField("shape"):
+                continue
+            dims = v.type.tensor_type.shape.dim
+            if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value != rows:
+                fixed = dims[0].dim_value
+                shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+                each = f" ({rows} rows for each of {self.replicas} replicas)" if self.replicas > 1 else ""
+                raise ConfigError("training.batch_size",
+                                  f"{t.batch_size}{each}, but the model input {v.name!r} has a fixed batch "
+                                  f"size, {fixed} (shape {shape}; a model exported without a dynamic batch "
+                                  f"axis): set training.batch_size to {fixed * self.replicas}, or export the "
+                                  "model with a dynamic first axis")
 
     # ---- state ----
     def lr(self, step: int) -> float:

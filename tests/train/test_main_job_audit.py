@@ -524,3 +524,26 @@ def test_resume_says_where_it_resumes_unless_quiet(kill_setup, tmp_path, capsys)
     os.remove(os.path.join(out, "checkpoints", "step_00000066.ckpt"))
     assert main(["train", config, "--output-dir", out, "--resume"]) == 0
     assert f"onnxtrain: resuming from {latest} (step 65 of 66)\n" in capsys.readouterr().err
+
+
+def test_a_model_with_a_fixed_batch_size_names_training_batch_size(tmp_path, capsys):
+    """A model exported without a dynamic batch axis (inputs [32, 64] and [32]) and training.batch_size
+    64: the first step failed as a runtime error (exit 1, "dimension 0 must be 32") naming no key; it is now
+    refused at load naming training.batch_size and its line. With batch_size 32 the model trains, and its
+    eval (359 rows at once) and export work."""
+    from onnxtrain import zoo
+
+    model = zoo.mlp([64, 16, 10])
+    for v in [*model.graph.input, *model.graph.output]:
+        dims = v.type.tensor_type.shape.dim
+        if len(dims) and dims[0].dim_param:
+            dims[0].dim_value = 32
+    onnx.save(model, tmp_path / "m.onnx")
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {path: m.onnx}\ntraining:\n  steps: 3\n  batch_size: 64\n"
+                      "output: {plot: false}\n")
+    line = _error(capsys, str(config), "--output-dir", str(tmp_path / "out"))
+    assert line.startswith(f"onnxtrain train: {config}:4: training.batch_size: 64, but the model input 'x' "
+                           "has a fixed batch size, 32"), line
+    assert main(["train", str(config), "--output-dir", str(tmp_path / "out"), "-q", "--set",
+                 "training.batch_size=32"]) == 0
