@@ -624,6 +624,9 @@ def _check_parameters(cfg: Config) -> None:
         raise ConfigError("training.parameters.set_gradients_as_graph_outputs",
                           "the main job fetches no gradients, so the outputs would only cost memory; they "
                           "are for scripts using the TrainingSession API (see the README)")
+    if probe.horizontal_parallel_size < 1:  # (the trainer divides the ranks by it)
+        raise ConfigError("training.parameters.horizontal_parallel_size",
+                          f"expected an int >= 1 (a number of ranks), got {probe.horizontal_parallel_size}")
     if probe.pipeline_parallel_size != 1:
         raise ConfigError("training.parameters.pipeline_parallel_size",
                           "the main job splits batches over its ranks for data parallelism only; pipeline "

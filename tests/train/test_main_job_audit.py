@@ -547,3 +547,15 @@ def test_a_model_with_a_fixed_batch_size_names_training_batch_size(tmp_path, cap
                            "has a fixed batch size, 32"), line
     assert main(["train", str(config), "--output-dir", str(tmp_path / "out"), "-q", "--set",
                  "training.batch_size=32"]) == 0
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_a_horizontal_split_of_no_ranks_is_refused_naming_the_key(tmp_path, capsys, size):
+    """training.parameters.horizontal_parallel_size 0 ended in a ZeroDivisionError traceback (the trainer
+    divides the world's ranks by it before the session checks it); now one line naming the key, exit 2."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**KILL_CONFIG, "training": {
+        "steps": 1, "parameters": {"horizontal_parallel_size": size}}}))
+    line = _error(capsys, str(config), "--output-dir", str(tmp_path / "out"))
+    key = "training.parameters.horizontal_parallel_size"
+    assert f"{key}: expected an int >= 1 (a number of ranks), got {size}" in line, line
