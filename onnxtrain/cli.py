@@ -826,7 +826,9 @@ def _guarded(a: argparse.Namespace) -> int:
         where = where if where and where not in str(e) else None  # the message may name the file itself
         if e.path.startswith("--"):  # an option at fault (--resume), not a key of the file
             where = None
-        line = _config_line(a.config, e.path, a.set or ()) if where else None
+        # (--output-dir stands for output.dir: a value given on the command line, as --set's)
+        given = [*(a.set or ()), *(["output.dir="] if getattr(a, "output_dir", None) else [])]
+        line = _config_line(a.config, e.path, given) if where else None
         if line is not None:  # file:line, as compilers write it (editors jump there)
             where = f"{where}:{line}"
         print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)

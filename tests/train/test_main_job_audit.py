@@ -130,7 +130,7 @@ training:
   epochs: 1
   batch_size: 32
   {extra}
-output: {{plot: false, export: false}}
+output: {{plot: false, export: false{output}}}
 """
 
 
@@ -156,9 +156,9 @@ def test_config_errors_name_the_line_of_the_key(tmp_path, capsys):
     path = str(tmp_path / "run.yaml")
     out = ["--output-dir", str(tmp_path / "out")]
 
-    def write(logits: str = "logits", extra: str = "seed: 0") -> None:
+    def write(logits: str = "logits", extra: str = "seed: 0", output: str = "") -> None:
         with open(path, "w", encoding="utf-8") as f:
-            f.write(_LOCATED.format(logits=logits, extra=extra))
+            f.write(_LOCATED.format(logits=logits, extra=extra, output=output))
 
     write(extra="batchsize: 64")
     line = _error(capsys, path, *out)
@@ -177,6 +177,11 @@ def test_config_errors_name_the_line_of_the_key(tmp_path, capsys):
     write(extra="steps: 0")
     line = _error(capsys, path, *out, "--set", "model.args.sizes=[64,16,10]")
     assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'steps: 0')}: training.steps: "), line
+    write(output=", dir: elsewhere")  # --output-dir at fault, not the file's output.dir
+    (tmp_path / "a_file").write_text("")
+    line = _error(capsys, path, "--output-dir", str(tmp_path / "a_file"), "--set",
+                  "model.args.sizes=[64,16,10]")
+    assert line.startswith(f"onnxtrain train: {path}: output.dir: output folder "), line
     write()  # builder and path: a cross-key error, at the section's line
     line = _error(capsys, path, *out, "--set", "model.path=m.onnx")
     assert line.startswith(f"onnxtrain train: {path}:{_line_of(path, 'model:')}: model: give exactly one of "
