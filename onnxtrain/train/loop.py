@@ -427,7 +427,8 @@ class Trainer:
         t = self.cfg.training
         if t.steps is not None or st.epoch >= t.epochs:  # (an epoch count already reached: as before)
             return self.total if t.steps is not None else min(self.total, st.global_step)
-        left = (self.data.n_train - st.epoch_pos) // (t.batch_size * self.micro)  # in this epoch
+        # full steps left in this epoch (none when the data now has fewer rows than the epoch had used)
+        left = max(self.data.n_train - st.epoch_pos, 0) // (t.batch_size * self.micro)
         return st.global_step + left + (t.epochs - st.epoch - 1) * self.steps_per_epoch
 
     # ---- metrics ----

@@ -564,3 +564,35 @@ def test_a_horizontal_split_of_no_ranks_is_refused_naming_the_key(tmp_path, caps
     line = _error(capsys, str(config), "--output-dir", str(tmp_path / "out"))
     key = "training.parameters.horizontal_parallel_size"
     assert f"{key}: expected an int >= 1 (a number of ranks), got {size}" in line, line
+
+
+def test_resume_on_fewer_training_rows_than_the_epoch_had_used(tmp_path, capsys):
+    """--resume after 12 steps of 20 rows (240 of a 300-row file used in epoch 0) with data.path a file of
+    150 rows: nothing is left of epoch 0 in the new data, so a 2-epoch run ends after one full pass over
+    it, 12 + 150 // 20 steps. The length was counted with the rows left in epoch 0 as a negative number of
+    steps ((150 - 240) // 20 = -5): the run stopped 5 steps short, two steps into epoch 1."""
+    rng = np.random.default_rng(3)
+    for name, rows in (("big", 300), ("small", 150), ("eval", 40)):
+        np.savez(tmp_path / f"{name}.npz", x=rng.normal(size=(rows, 64)).astype(np.float32),
+                 y=rng.integers(0, 10, rows))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"builder": "mlp", "args": {"sizes": [64, 8, 10]}},
+        "data": {"source": "files", "path": "big.npz", "eval_path": "eval.npz",
+                 "feeds": {"x": "x", "y": "y"}},
+        "optimizer": {"name": "sgd", "lr": 0.01},
+        "training": {"batch_size": 20, "epochs": 2, "checkpoint_every": 1000},
+        "output": {"plot": False, "export": False}}))
+    out = str(tmp_path / "run")
+    common = [str(config), "--output-dir", out, "-q"]
+    assert main(["train", *common, "--set", "training.steps=12"]) == 0
+    assert main(["train", *common, "--resume", "--set", "training.steps=null", "--set",
+                 "data.path=small.npz"]) == 0
+    from onnxtrain.checkpoint import load_checkpoint
+    from onnxtrain.train.outputs import list_checkpoints
+
+    steps = 12 + 150 // 20
+    ((step, path),) = list_checkpoints(out)[-1:]
+    props = load_checkpoint(path).properties
+    assert (step, props["epoch"], props["epoch_samples"]) == (steps, 2, 0)
+    assert props["samples_seen"] == 12 * 20 + (150 // 20) * 20
