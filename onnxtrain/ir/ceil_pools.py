@@ -50,7 +50,31 @@ def ceil_mode_pools(model: onnx.ModelProto) -> onnx.ModelProto:
     # pool drops no window, so it is not rewritten again)
     while _rewrite_one(out, value_types(out, declared=False)):
         changed = True
+    if changed:
+        _redeclare_outputs(out)
     return out if changed else model
+
+
+def _redeclare_outputs(model: onnx.ModelProto) -> None:
+    """Give the graph's outputs the dims inference now finds where their declared ones differ (an exporter
+    declares a rewritten pool's output, and the values after it, with ONNX's old count: onnx.checker then
+    refuses the model, and its gradient graph)."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    for o in bare.graph.output:  # inferred from the nodes alone, not from the stale declarations
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
+    types = value_types(bare, declared=False)
+    for o in model.graph.output:
+        tp = types.get(o.name)
+        if tp is None or not tp.HasField("tensor_type") or not o.type.HasField("tensor_type"):
+            continue
+        now, declared = tp.tensor_type.shape.dim, o.type.tensor_type.shape.dim
+        if len(now) != len(declared):
+            continue
+        for d, n in zip(declared, now):
+            if d.HasField("dim_value") and n.HasField("dim_value") and d.dim_value != n.dim_value:
+                d.dim_value = n.dim_value
 
 
 def _rewrite_one(model: onnx.ModelProto, types: dict) -> bool:

@@ -235,3 +235,37 @@ def test_a_hand_written_ceil_mode_pool_trains_on_the_legacy_session(pool: str, g
         state = sess.get_state()
         np.testing.assert_allclose(state["W1"], t1.detach().numpy(), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(state["W2"], t2.detach().numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_ceil_mode_pool_that_is_a_graph_output_gets_its_declared_shape_fixed() -> None:
+    """torch's exporter declares a ceil_mode pool's output with ONNX's count (3 on the last axis of
+    ``max_pool3d(kernel 3, stride 3, padding 1)`` over 5 columns) where torch keeps 2 windows. The pool is
+    read with the pads that make ONNX count 2; the graph output's declaration was left at 3, so the gradient
+    graph of any loss over it failed onnx.checker's full check. Now it declares 2, and the gradient equals
+    torch's."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1, 2, 3, 6, 5, dtype=torch.float64)
+
+    class Pool(torch.nn.Module):
+        def forward(self, a: Any) -> Any:
+            return torch.nn.functional.max_pool3d(a, 3, padding=1, ceil_mode=True)
+
+    buffer = io.BytesIO()
+    torch.onnx.export(Pool(), (x,), buffer, dynamo=False, opset_version=17, input_names=["x"],
+                      output_names=["y"])
+    model = onnx.load_from_string(buffer.getvalue())
+    want_shape = tuple(Pool()(x).shape)
+    assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim][-1] == 3  # the export's
+    w = np.random.default_rng(4).uniform(0.5, 1.5, want_shape)
+    model.graph.initializer.append(numpy_helper.from_array(w, "w"))
+    model.graph.node.extend([helper.make_node("Mul", ["y", "w"], ["p"]),
+                             helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)])
+    model.graph.output.append(helper.make_tensor_value_info("loss", onnx.TensorProto.DOUBLE, []))
+    gmodel = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    y = next(o for o in gmodel.graph.output if o.name == "y")
+    assert tuple(d.dim_value for d in y.type.tensor_type.shape.dim) == want_shape
+    xt = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad((Pool()(xt) * torch.from_numpy(w)).sum(), [xt])
+    got = onnxtrain.InferenceSession(gmodel.SerializeToString()).run(["x_grad"], {"x": x.numpy()})[0]
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=0)
