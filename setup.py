@@ -5,10 +5,12 @@ MPI = ["mpi4py>=3.1", "mpich"]
 # onnxscript: torch's own exporter of opset 23 and later (dynamo), for the tests of such exports
 # pytest-xdist: the suite runs on two worker processes (-n 2), in about half the time on two CPUs
 # expecttest: imported by torch's OpInfo database (torch.testing._internal), which test_torch_opinfo.py reads
+# torchvision 0.28.0: the release built for torch 2.13, whose models test_torchvision_models.py trains (PyPI's
+# wheel links torch's CUDA build: with the CPU build its C ops fail to load, and the test declares them away)
 # onnxruntime >= 1.32: the oracle the suite was checked against (1.23, the last for Python 3.10, reads no
 # model of IR version 12 or later: 861 of the suite's comparisons failed there)
 TEST = ["pytest>=7", "pytest-timeout", "pytest-xdist", "torch==2.13.0", "onnxruntime>=1.32",
-        "flatbuffers>=23", "onnxscript", "expecttest", *MPI]
+        "flatbuffers>=23", "onnxscript", "expecttest", "torchvision==0.28.0", *MPI]
 
 setup(
     name="onnxtrain",
