@@ -455,6 +455,9 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
             dst.append(slice(start, start + (hi - lo - 1) * strides[i] + 1, strides[i]))
         else:
             steps.append((j, tuple(src), tuple(dst)))
+    # kernel offsets whose every product falls outside the output (a dilation wider than X, as in DeepLab's
+    # ASPP: dilation 36 on 4² planes reads only its centre) are cropped off W before any route runs
+    crop = _live_taps(in_sp, k, strides, dil, pb, out, group, attrs)
     # stride 1 in 2-D: col2im by flattened rows (_conv_transpose_flat) when the output lies on the canvas
     flat = (nd == 2 and strides == [1, 1] and group == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
                                                                 for i in range(nd)))
@@ -465,7 +468,40 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
             "depthwise": group > 1 and mg == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
                                                        for i in range(nd)),
             # stride 1: the same as a Conv with the kernel flipped and pads k_eff − 1 − pads
-            "as_conv": _as_conv_pads(nd, strides, k, dil, pb, full, out, out_pad)}
+            "as_conv": _as_conv_pads(nd, strides, k, dil, pb, full, out, out_pad), "crop": crop}
+
+
+def _live_taps(in_sp: Sequence[int], k: list[int], strides: list[int], dil: list[int], pb: list[int],
+               out: list[int], group: int, node: Attrs) -> tuple[tuple[slice, ...], Attrs] | None:
+    """(W's index, the attributes of the ConvTranspose by W[index]) where some kernel offsets, along some
+    axis, send no input into the output (their products all land in the cropped pads): the smaller
+    ConvTranspose, of offsets [a, b] on each axis with its pads moved by a·dilation, gives the same output.
+    None where every offset reaches the output, or none does (it is then zeros: col2im's case).
+    ``node``: the node's attributes, whose name and opset the smaller one keeps."""
+    nd = len(k)
+    lo_tap, hi_tap = [], []
+    for i in range(nd):
+        live = [kk for kk in range(k[i]) if _reach(in_sp[i], strides[i], kk * dil[i] - pb[i], out[i])]
+        if not live:
+            return None
+        lo_tap.append(live[0])
+        hi_tap.append(live[-1])
+    if all(a == 0 and b == v - 1 for a, b, v in zip(lo_tap, hi_tap, k, strict=True)):
+        return None
+    begin = [pb[i] - lo_tap[i] * dil[i] for i in range(nd)]
+    full = [(in_sp[i] - 1) * strides[i] + (hi_tap[i] - lo_tap[i]) * dil[i] + 1 for i in range(nd)]
+    end = [full[i] - begin[i] - out[i] for i in range(nd)]
+    attrs = Attrs({"strides": strides, "dilations": dil, "group": group, "pads": begin + end},
+                  op="ConvTranspose", name=node.name, opset=node.opset)
+    index = tuple(slice(a, b + 1) for a, b in zip(lo_tap, hi_tap, strict=True))
+    return (slice(None), slice(None), *index), attrs
+
+
+def _reach(size: int, stride: int, first: int, out: int) -> range:
+    """The input indices j whose output j·stride + first lies in [0, out)."""
+    lo = max(0, -(first // stride))
+    hi = min(size, (out - 1 - first) // stride + 1)
+    return range(lo, max(lo, hi))
 
 
 def _as_conv_pads(nd: int, strides: list[int], k: list[int], dil: list[int], pb: list[int],
@@ -545,6 +581,13 @@ def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
 # by 5×5 to 8 1.57 → 0.92, 32 × 16² by 3×3 to 16 1.46 → 1.06; 32 at 8² to 64 even, 48 at 12² 0.74 → 0.89,
 # 64 at 8² 0.49 → 0.54, 128 1.46 → 1.65
 PITCHED_MAX_CHANNELS = 32
+# Columns (X's positions over every image) up to which _conv_transpose_flat's GEMM reads Wᵀ as a view, its
+# rows (output channel, kernel offset), instead of W copied to rows (offset, channel): with few columns the
+# transposing copy of W costs more than the GEMM (DeepLabV3's head over 4² planes). 1 core, ms, medians of 15
+# interleaved, copy → view: 2 × 256 × 4² by 3×3 to 256 2.32 → 0.71, dilated 2 8.9 → 2.7, 2 × 512 × 8² 12.3 →
+# 5.2, 2 × 128 × 16² 1.75 → 1.49, 16 × 256 × 7² (1,008 columns) 10.6 → 9.4; from 1,152 columns the view is
+# 1-8 % slower (4 × 128 × 16² 2.96 → 3.05, 16 × 48 × 12² 3.71 → 4.02, 32 × 128 × 8² 7.78 → 8.10)
+FLAT_WEIGHT_VIEW_MAX_COLUMNS = 1024
 
 
 def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -569,8 +612,11 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     per = pitch if pitched else run  # X's positions per image
     xp = np.zeros((c, n, per), x.dtype)
     xp[:, :, :run].reshape(c, n, ih, wf)[..., :iw] = x.transpose(1, 0, 2, 3)
-    wk = w.reshape(c, m, k).transpose(2, 1, 0).reshape(k * m, c)  # rows: (kernel offset, output channel)
-    cols = np.matmul(wk, xp.reshape(c, n * per)).reshape(k, m, n * per)
+    if n * per <= FLAT_WEIGHT_VIEW_MAX_COLUMNS:  # rows (output channel, kernel offset): Wᵀ as a view
+        cols = np.matmul(w.reshape(c, m * k).T, xp.reshape(c, n * per)).reshape(m, k, n * per).swapaxes(0, 1)
+    else:  # rows (kernel offset, output channel): each offset's block contiguous, W copied
+        wk = w.reshape(c, m, k).transpose(2, 1, 0).reshape(k * m, c)
+        cols = np.matmul(wk, xp.reshape(c, n * per)).reshape(k, m, n * per)
     offsets = [ki * dh * wf + kj * dw for ki, kj in (divmod(j, kw) for j in range(k))]
     span = n * pitch
     canvas = np.zeros((m, span + offsets[-1]), x.dtype)
@@ -641,6 +687,9 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     if is_half(x.dtype):  # the overlapping contributions summed in float32, rounded once
         return in_float32(conv_transpose, inputs, attrs)
     g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
+    if g["crop"] is not None:  # kernel offsets that reach no output: the ConvTranspose by the rest of W
+        index, sub = g["crop"]
+        return conv_transpose([x, w[index]] + ([b] if b is not None else []), sub)
     y = _conv_transpose_as_conv(x, w, g, attrs) if g["as_conv"] is not None else None
     if y is None and g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
         y = depthwise.conv_transpose(x, w, g)
