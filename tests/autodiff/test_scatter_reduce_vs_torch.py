@@ -91,3 +91,30 @@ def test_scatter_nd_max_min_ties_match_torch(reduction: str) -> None:
     np.testing.assert_allclose(got["upd_grad"], tu.grad.numpy(), rtol=1e-14, atol=0)
     share = tu.grad.numpy() / u[rows % 5]  # each update's fraction of its slot's gradient
     assert np.any((share > 0) & (share < 1))  # some update shares its slot with a tie
+
+
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_repeated_indices_without_reduction_give_each_slot_once(op: str) -> None:
+    """Without a reduction, updates that repeat an index overwrite each other: only the one the slot keeps
+    (the last, as the engine and onnxruntime write) gets the slot's gradient. Each copy got it before, so a
+    value broadcast to repeated slots (torch's export of ``index_fill`` with an index listed twice) had its
+    gradient counted once per copy (24.9 against torch's 14.8 in the OpInfo sample). Against torch's
+    ``index_fill``, whose value fills each listed column once."""
+    rng = np.random.default_rng(2)
+    data, columns, value = rng.standard_normal((3, 5)), np.array([4, 1, 1, 4, 0]), -0.7
+    if op == "ScatterElements":
+        idx, upd = np.tile(columns, (3, 1)), np.full((3, 5), value)
+        model = _model(op, ((3, 5), (3, 5), (3, 5)), axis=1)
+    else:  # rows of the transposed data
+        data, idx, upd = data.T.copy(), columns[:, None], np.full((5, 3), value)
+        model = _model(op, ((5, 3), (5, 1), (5, 3)))
+    feeds = {"data": data, "idx": idx, "upd": upd}
+    u, got = _grads(model, feeds)
+    d = torch.tensor(data if op == "ScatterElements" else data.T, requires_grad=True)
+    v = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+    y = d.index_fill(1, torch.tensor(columns), v)
+    weights = torch.tensor(u if op == "ScatterElements" else u.T)
+    dd, dv = torch.autograd.grad((y * weights).sum(), [d, v])
+    want_data = dd.numpy() if op == "ScatterElements" else dd.numpy().T
+    np.testing.assert_allclose(got["data_grad"], want_data, rtol=1e-12)
+    np.testing.assert_allclose(got["upd_grad"].sum(), dv.item(), rtol=1e-12)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient, no_gradient
@@ -99,6 +100,38 @@ def _gather_elements(g: GradCtx, t: str, idx: str, axis: int) -> str:
     return g.emit("GatherElements", t, idx, axis=axis)
 
 
+def _distinct_indices(g: GradCtx, gather: str) -> bool:
+    """Whether the scatter's indices are constants that name each slot once (no update overwrites another)."""
+    idx = g.constant_value(1)
+    if idx is None:
+        return False
+    idx = np.asarray(idx)
+    if gather == "GatherND":
+        rows = idx.reshape(-1, idx.shape[-1]) if idx.ndim else idx.reshape(1, -1)
+        return len({tuple(r) for r in rows.tolist()}) == len(rows)
+    axis = g.attr("axis") or 0
+    rank = idx.ndim
+    if rank == 0:
+        return True
+    # along the axis, the other coordinates are the position's own: distinct if no column repeats
+    moved = np.moveaxis(idx, axis % rank, -1).reshape(-1, idx.shape[axis % rank])
+    return all(len(set(r)) == len(r) for r in moved.tolist())
+
+
+def _kept_updates_only(g: GradCtx, scatter: str, gather_of: Any, du: str, kw: dict) -> str:
+    """``du`` (each update's slot gradient) zeroed for the updates a later one overwrites: the slot keeps
+    the last update written to it (the engine and onnxruntime write in order), so only that one reaches the
+    output. Found at run time by scattering each update's ordinal and reading back which one stayed."""
+    u = g.x(2)
+    count = g.emit("Size", u)
+    ordinal = g.emit("Reshape", g.emit("Range", g.int64(0), count, g.int64(1)), g.emit("Shape", u),
+                     allowzero=1)  # an empty update keeps its zero dims
+    blank = g.emit("ConstantOfShape", g.shape(0),
+                   value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    kept = g.emit("Equal", gather_of(g.emit(scatter, blank, g.x(1), ordinal, **kw)), ordinal)
+    return g.emit("Where", kept, du, g.const(0))
+
+
 def _scatter_grad(g: GradCtx, scatter: str, gather: str, **kw: int) -> None:
     """ScatterElements / ScatterND: ``gather`` is the matching gather op, ``kw`` its axis."""
     dy, idx = g.dy(0), g.x(1)
@@ -114,7 +147,9 @@ def _scatter_grad(g: GradCtx, scatter: str, gather: str, **kw: int) -> None:
         if g.needs_dx(0):
             g.set_dx(0, g.emit(scatter, dy, idx, zeros(g, g.shape(2)), **kw))
         if g.needs_dx(2):
-            g.set_dx(2, gather_of(dy))
+            du = gather_of(dy)
+            distinct = _distinct_indices(g, gather)
+            g.set_dx(2, du if distinct else _kept_updates_only(g, scatter, gather_of, du, kw))
     elif red == "add":
         g.set_dx(0, dy)
         if g.needs_dx(2):
