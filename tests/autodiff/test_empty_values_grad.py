@@ -92,3 +92,15 @@ def test_slice_of_an_empty_symbolic_value() -> None:
     want = _torch_grad(lambda t: t[0:1], x)
     for got in _grads(_model([N("Slice", ["x", "s", "e", "ax"], ["y"])], ["a", "b", "c"], consts), x):
         assert got.shape == want.shape == (1, 1, 0)
+
+
+@pytest.mark.parametrize("dims", [[0, 8, 2, 3], ["n", 8, 2, 3], [2, 0, 2, 3]])
+def test_depth_to_space_crd_of_an_empty_value(dims: list) -> None:
+    """DepthToSpace in CRD mode (torch's ``pixel_shuffle``): its gradient reshaped to ``[0, 0, 0, b², -1]``,
+    which ONNX refuses when a dim is 0 (a product of 0 with -1: the full check failed, as for OpInfo's
+    pixel_shuffle samples of an empty batch); the shape now comes from X's. (torch's own backward of an
+    empty pixel_shuffle fails: the gradient of an empty x is an empty array of its shape.)"""
+    model = _model([N("DepthToSpace", ["x"], ["y"], blocksize=2, mode="CRD")], dims, {})
+    x = np.zeros([d if isinstance(d, int) else 0 for d in dims])
+    for got in _grads(model, x):
+        assert got.shape == x.shape

@@ -289,6 +289,19 @@ def _constant_value_grad(g: GradCtx, dy: str) -> None:
     g.set_dx(2, g.emit("Reshape", total, g.shape(2)))
 
 
+def _block_split_shape(g: GradCtx, bs: int) -> str:
+    """(N, H, W, b², C/b²) of DepthToSpace's input X (N, C, H, W): the dims themselves, so that a 0 among
+    them stays one (``[0, 0, 0, b², -1]`` copies dims and infers C', which ONNX refuses next to a 0)."""
+    dims = g.static_shape(0)
+    if dims is not None and all(d is not None for d in dims):
+        n, c, h, w = dims
+        return g.ints([n, h, w, bs * bs, c // (bs * bs)])
+    shape = g.shape(0)
+    nhw = g.emit("Gather", shape, g.ints([0, 2, 3]), axis=0)
+    c = g.emit("Div", g.emit("Gather", shape, g.ints([1]), axis=0), g.ints([bs * bs]))
+    return g.emit("Concat", nhw, g.ints([bs * bs]), c, axis=0)
+
+
 @gradient("DepthToSpace", linear=True)
 def depth_to_space_grad(g: GradCtx) -> None:
     bs = g.attr("blocksize")
@@ -297,7 +310,7 @@ def depth_to_space_grad(g: GradCtx) -> None:
     if g.attr("mode") == "CRD":
         # SpaceToDepth orders channels (bi, bj, c); CRD wants (c, bi, bj): move the block axes behind c
         t = g.emit("Transpose", d, perm=[0, 2, 3, 1])  # (N, H, W, b²·C')
-        t = g.emit("Reshape", t, g.ints([0, 0, 0, bs * bs, -1]))  # (N, H, W, b², C')
+        t = g.emit("Reshape", t, _block_split_shape(g, bs), allowzero=1)  # (N, H, W, b², C')
         t = g.emit("Transpose", t, perm=[0, 4, 3, 1, 2])  # (N, C', b², H, W)
         d = g.emit("Reshape", t, g.shape(0))
     g.set_dx(0, d)
