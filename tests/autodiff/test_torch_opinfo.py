@@ -61,7 +61,10 @@ OPSET_18 = ("sum", "amax", "mean", "nn.functional.pad.reflect", "split", "nn.fun
             "nn.functional.layer_norm", "norm")
 
 # ops onnxtrain refuses with an error naming what it does not support: op key → the reason
-REFUSED: dict[str, str] = {}
+REFUSED = {
+    "tensordot": "an Einsum operand with a static 1 where the other has 4 on one letter (a broadcast ONNX's "
+                 "shape inference does not follow; README Limits): refused by name",
+}
 
 FORWARD_DTYPES = ("float32", "float64", "int64", "bool")
 
