@@ -241,7 +241,9 @@ SHARED_PADS = [
     ((16, 64, 16, 15), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1), True),  # grouped
     ((2, 16, 5, 6, 4), (16, 16, 3, 3, 3), 1, (1, 1, 1), (1, 1, 0, 1, 1, 2), True),  # 3-D
     ((2, 16, 8, 8), (16, 16, 3, 3), 1, (1, 1), (0, 0, 0, 0), False),  # no pads to share
-    ((2, 16, 8, 8), (16, 16, 3, 3), 1, (1, 1), (3, 1, 3, 1), False),  # pads past the kernel: rows too long
+    # pads past the kernel: the output rows that read only padding are cropped off first (kernels/conv.py's
+    # _conv_live_part), then the rest shares (the layout's rows-too-long case: test_conv_transpose_dead_taps)
+    ((2, 16, 8, 8), (16, 16, 3, 3), 1, (1, 1), (3, 1, 3, 1), True),
 ]
 
 

@@ -1,9 +1,10 @@
-"""ConvTransposes with kernel offsets that send no input into the output (engine/kernels/conv.py's
-``_live_taps``): a dilation wider than X, as the input gradients of DeepLabV3's ASPP convolutions (3×3 at
-dilations 12, 24, 36, padded by the dilation, over 4² planes) whose outer taps read only padding. The kernel
-crops those offsets off W; here the outputs are checked against torch (its full transposed convolution in
-float64, cropped to the ONNX output by pads computed in this file), the Conv input gradients against torch
-autograd, a one-node model against onnxruntime, and the route's W against the live taps."""
+"""Convolutions with kernel offsets that read only padding: a dilation wider than X, as DeepLabV3's ASPP
+(3×3 at dilations 12, 24, 36, padded by the dilation, over 4² planes: only the centre reads X). The
+ConvTranspose (the input gradient: engine/kernels/conv.py's ``_live_taps``), the Conv (``_conv_live_part``,
+which also drops outputs that read only padding) and the fused weight gradient (fusion/gemm.py's
+``_live_taps_grad``) compute only the rest. Checked against torch (float64 convolutions and transposed
+convolutions cropped to the ONNX output by pads computed here, autograd for the gradient graphs),
+onnxruntime for a one-node model, and the routes' arguments against the live part."""
 
 from __future__ import annotations
 
@@ -153,36 +154,133 @@ def test_non_finite_weights_in_dead_taps_reach_nothing() -> None:
     assert not np.isfinite(got[:, 5]).any() and np.isfinite(np.delete(got, 5, axis=1)).all()
 
 
-# Conv (X shape, W shape, dilation = pad, group): DeepLabV3's ASPP at 4² and its dilated neighbours
-CONV_GRAD = [
-    ((2, 24, 4, 4), (16, 24, 3, 3), 12, 1),
-    ((1, 24, 4, 4), (16, 24, 3, 3), 36, 1),
-    ((2, 8, 4, 4), (6, 4, 3, 3), 24, 2),
-    ((2, 8, 5, 4), (8, 8, 3, 3), 3, 1),  # taps partly in the padding
-]
+# Convs (X shape, W shape, attributes) with kernel offsets or outputs that read only padding
+CONVS: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
+    "aspp-d12": ((2, 24, 4, 4), (16, 24, 3, 3), {"dilations": [12, 12], "pads": [12] * 4}),
+    "aspp-d36-batch-1": ((1, 24, 4, 4), (16, 24, 3, 3), {"dilations": [36, 36], "pads": [36] * 4}),
+    # a weight gradient's shape (the forward's dilation as stride): only the centre output reads X
+    "dead-outputs": ((6, 2, 4, 4), (5, 2, 4, 4), {"strides": [12, 12], "pads": [12] * 4}),
+    "pads-past-the-kernel": ((2, 16, 8, 8), (16, 16, 3, 3), {"pads": [3, 1, 3, 1]}),
+    # the first offset dead, pads below the dilation: X's first rows are never read
+    "unread-first-rows": ((2, 4, 8, 8), (3, 4, 3, 3), {"dilations": [10, 10], "pads": [7, 7, 11, 11]}),
+    "grouped": ((2, 8, 4, 4), (6, 4, 3, 3), {"dilations": [24, 24], "pads": [24] * 4, "group": 2}),
+    "depthwise": ((2, 8, 4, 4), (8, 1, 3, 3), {"dilations": [12, 12], "pads": [12] * 4, "group": 8}),
+    "strided": ((2, 8, 9, 9), (4, 8, 3, 3), {"strides": [2, 2], "dilations": [12, 12], "pads": [12] * 4}),
+    "rows-only": ((2, 8, 4, 6), (4, 8, 3, 3), {"dilations": [12, 1], "pads": [12, 1, 12, 1]}),
+    "1d": ((2, 8, 5), (4, 8, 3), {"dilations": [12], "pads": [12, 12]}),
+    "3d": ((1, 4, 2, 3, 3), (6, 4, 3, 3, 3), {"dilations": [1, 9, 9], "pads": [1, 9, 9, 1, 9, 9]}),
+    "partly-d3": ((2, 8, 5, 4), (8, 8, 3, 3), {"dilations": [3, 3], "pads": [3] * 4}),  # nothing to crop
+}
 
 
-@pytest.mark.parametrize("xs,ws,dil,group", CONV_GRAD, ids=lambda v: str(v))
-def test_conv_input_gradient_vs_torch_autograd(xs, ws, dil, group) -> None:
-    """The gradient graph of a dilated Conv (whose dX is such a ConvTranspose) against torch autograd in
-    float64."""
+def _torch_conv(x: Any, w: Any, attrs: dict[str, Any]) -> Any:
+    """torch's Conv of the ONNX attributes (explicit pads by F.pad)."""
+    nd = x.ndim - 2
+    p = attrs.get("pads", [0] * 2 * nd)
+    fn = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    pads = [v for i in reversed(range(nd)) for v in (p[i], p[nd + i])]
+    return fn(F.pad(x, pads), w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
+              groups=attrs.get("group", 1))
+
+
+@pytest.mark.parametrize("case", list(CONVS))
+def test_conv_matches_torch(case: str) -> None:
+    """float64 against torch; float32 against the routes on the whole W within float32 rounding."""
+    xs, ws, attrs = CONVS[case]
+    rng = np.random.default_rng(8)
+    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
+    got = conv_kernels.conv([x, w, b], Attrs(dict(attrs)))[0]
+    want = _torch_conv(torch.tensor(x), torch.tensor(w), attrs).numpy()
+    want += b.reshape((-1,) + (1,) * (len(xs) - 2))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    a = Attrs(dict(attrs))
+    got32 = conv_kernels.conv([x32, w32], a)[0]
+    whole = conv_kernels._conv_gemms(x32, w32, a.cache[(xs, ws)])
+    scale = float(np.abs(whole).max()) * xs[1] * int(np.prod(ws[2:])) * 2e-7
+    np.testing.assert_allclose(got32, whole, rtol=0, atol=scale)
+
+
+CONV_LIVE = {  # case: (X shape, W shape) the smaller Conv runs with (None: nothing cropped)
+    "aspp-d12": ((2, 24, 4, 4), (16, 24, 1, 1)), "dead-outputs": ((6, 2, 4, 4), (5, 2, 4, 4)),
+    "unread-first-rows": ((2, 4, 5, 5), (3, 4, 1, 1)), "strided": ((2, 8, 9, 9), (4, 8, 1, 1)),
+    "rows-only": ((2, 8, 4, 6), (4, 8, 1, 3)), "partly-d3": None,
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_LIVE))
+def test_conv_routes_see_only_what_reads_x(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    xs, ws, attrs = CONVS[case]
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = conv_kernels._conv_gemms
+
+    def spy(x, w, g):  # noqa: ANN001, ANN202 - a pass-through
+        seen.append((x.shape, w.shape))
+        return real(x, w, g)
+    monkeypatch.setattr(conv_kernels, "_conv_gemms", spy)
+    rng = np.random.default_rng(9)
+    conv_kernels.conv([rng.standard_normal(xs, dtype=np.float32), rng.standard_normal(ws, dtype=np.float32)],
+                      Attrs(dict(attrs)))
+    assert seen == [CONV_LIVE[case] or (xs, ws)]
+
+
+def test_layout_of_rows_longer_than_their_pitch_is_refused() -> None:
+    """The shifted GEMMs' shared padding refuses output rows longer than a row's pitch (pads past the kernel
+    on both sides; such a Conv now reaches it only through its cropped part, which fits)."""
+    g = conv_kernels.conv_geometry(Attrs({"pads": [3, 1, 3, 1]}), (2, 16, 8, 8), (16, 16, 3, 3))
+    assert conv_kernels._shared_pads([8, 8], g) is None
+    sub = g["crop"]["attrs"]
+    assert sub["pads"] == [2, 1, 2, 1] and g["crop"]["keep"] == [10, 8]
+
+
+# Conv gradient graphs (X shape, W shape, attributes): dX is such a ConvTranspose, dW (group 1) the fused
+# weight gradient (fusion/gemm.py) over the offsets that read X
+CONV_GRAD = {
+    "aspp-d12": ((2, 24, 4, 4), (16, 24, 3, 3), {"dilations": [12, 12], "pads": [12] * 4}),
+    "aspp-d36-batch-1": ((1, 24, 4, 4), (16, 24, 3, 3), {"dilations": [36, 36], "pads": [36] * 4}),
+    "grouped-d24": ((2, 8, 4, 4), (6, 4, 3, 3), {"dilations": [24, 24], "pads": [24] * 4, "group": 2}),
+    "partly-d3": ((2, 8, 5, 4), (8, 8, 3, 3), {"dilations": [3, 3], "pads": [3] * 4}),
+    "unread-first-rows": CONVS["unread-first-rows"],
+    "strided": CONVS["strided"],
+    "rows-only": CONVS["rows-only"],
+    "1d": CONVS["1d"],
+    "3d": CONVS["3d"],
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_GRAD))
+def test_conv_gradients_vs_torch_autograd(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradient graph of such a Conv against torch autograd in float64."""
+    from onnxtrain.engine.fusion import gemm
+
+    xs, ws, attrs = CONV_GRAD[case]
+    fused: list[int] = []
+    real = gemm._live_taps_grad
+
+    def spy(*args):  # noqa: ANN002, ANN202 - a pass-through
+        fused.append(1)
+        return real(*args)
+    monkeypatch.setattr(gemm, "_live_taps_grad", spy)
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal(xs), rng.standard_normal(ws)
-    node = helper.make_node("Conv", ["x", "w"], ["y"], dilations=[dil, dil], pads=[dil] * 4, group=group)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], **attrs)
     graph = helper.make_graph([node], "c", [helper.make_tensor_value_info("x", 11, xs),
                                             helper.make_tensor_value_info("w", 11, ws)],
                               [helper.make_empty_tensor_value_info("y")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    lmodel = random_loss_model(model, [(xs[0], ws[0], *xs[2:])], [0], dtype=np.float64)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    y = _torch_conv(tx, tw, attrs)
+    lmodel = random_loss_model(model, [tuple(y.shape)], [0], dtype=np.float64)
     u = numpy_helper.to_array(next(t for t in lmodel.graph.initializer if t.name == "u0"))
     gmodel = build_gradient_model(lmodel, "loss", ["x", "w"])
     assert any(n.op_type == "ConvTranspose" for n in gmodel.graph.node)
     outs = dict(zip([o.name for o in gmodel.graph.output], compile_model(gmodel).run({"x": x, "w": w}),
                     strict=True))
-    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
-    (F.conv2d(tx, tw, padding=dil, dilation=dil, groups=group) * torch.tensor(u)).sum().backward()
+    (y * torch.tensor(u)).sum().backward()
     np.testing.assert_allclose(outs["x_grad"], tx.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(outs["w_grad"], tw.grad.numpy(), rtol=1e-10, atol=1e-12)
+    assert bool(fused) == (attrs.get("group", 1) == 1)
 
 
 def test_one_node_model_with_bias_matches_onnxruntime() -> None:

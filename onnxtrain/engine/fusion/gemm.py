@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -165,7 +166,7 @@ def _conv_weight_grad(plan: Plan, members: list[Step], crop: dict[int, int] | No
             and all(0 <= a < x.ndim for a in axes)  # else the Slice itself says what is wrong
         ):
             grad = _weight_grad_2d if nd == 2 else _weight_grad_nd
-            dw = grad(x, dy, strides, dil, pads, limit)
+            dw = _live_taps_grad(grad, x, dy, strides, dil, pads, limit)
             if dw is not None:
                 if any(a < 2 for a in axes):  # a crop of the channels too
                     return (np.ascontiguousarray(dw[tuple(slice(0, axes.get(a)) for a in range(dw.ndim))]),)
@@ -177,6 +178,61 @@ def _conv_weight_grad(plan: Plan, members: list[Step], crop: dict[int, int] | No
         return (env[members[-1].outputs[0]],)
 
     return run
+
+
+def _live_taps_grad(grad: Callable, x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],
+                    pads: list[int], limit: list[int | None]) -> np.ndarray | None:
+    """``grad``'s weight gradient (``_weight_grad_2d`` or ``_weight_grad_nd``, same arguments) without the
+    kernel offsets that read only padding at every output: their gradients are zeros, and the rest is the
+    gradient of the smaller kernel, its begin pads moved by its first offset (X's rows before the first
+    that any offset reads dropped). A dilation wider than X (DeepLabV3's ASPP, 3×3 at dilation 36 over 4²
+    planes: only the centre reads X) otherwise pads X by the dilation and multiplies all those zeros."""
+    if not any(pads):  # every offset reads X at the first output
+        return grad(x, dy, strides, dil, pads, limit)
+    span = _live_span(x.shape[2:], dy.shape[2:], tuple(strides), tuple(dil), tuple(pads), tuple(limit))
+    if span is None:
+        return grad(x, dy, strides, dil, pads, limit)
+    k, first, cut, skip, sub_pads = span
+    part = grad(x[(slice(None), slice(None), *(slice(v, None) for v in skip))], dy, strides, dil,
+                list(sub_pads), list(cut))
+    if part is None:
+        return None
+    dw = np.zeros(part.shape[:2] + k, part.dtype)
+    dw[(slice(None), slice(None), *(slice(a, a + c) for a, c in zip(first, cut, strict=True)))] = part
+    return dw
+
+
+@functools.lru_cache(maxsize=256)
+def _live_span(xsp: tuple[int, ...], ysp: tuple[int, ...], strides: tuple[int, ...], dil: tuple[int, ...],
+               pads: tuple[int, ...], limit: tuple[int | None, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """For :func:`_live_taps_grad`: (kernel dims, first live offset, live offsets, X's rows skipped, the
+    smaller kernel's pads) per axis, or None where every offset reads X (or none does)."""
+    nd = len(xsp)
+    padded = [xsp[i] + pads[i] + pads[nd + i] for i in range(nd)]
+    k = _kernel_dims(padded, ysp, list(strides), list(dil), limit)
+    first, last = [], []
+    for i in range(nd):  # offset t of axis i reads X's rows t·strides − pad + j·dil, outputs j
+        live = [t for t in range(k[i]) if _reads(t * strides[i] - pads[i], dil[i], ysp[i], xsp[i])]
+        if not live:
+            return None
+        first.append(live[0])
+        last.append(live[-1])
+    if all(a == 0 and b == v - 1 for a, b, v in zip(first, last, k, strict=True)):
+        return None
+    cut = [b - a + 1 for a, b in zip(first, last, strict=True)]
+    begin = [pads[i] - first[i] * strides[i] for i in range(nd)]
+    skip = [max(0, -b) for b in begin]
+    begin = [max(0, b) for b in begin]
+    # end pads: as many as the last offset reads past X (more would only lengthen the kernel that cut caps)
+    end = [max(0, (cut[i] - 1) * strides[i] + (ysp[i] - 1) * dil[i] + 1 - (xsp[i] - skip[i]) - begin[i])
+           for i in range(nd)]
+    return tuple(k), tuple(first), tuple(cut), tuple(skip), tuple(begin + end)
+
+
+def _reads(start: int, step: int, count: int, size: int) -> bool:
+    """Whether some of the ``count`` positions start + j·step lie in [0, size)."""
+    lo = max(0, -(start // step))
+    return lo <= min(count - 1, (size - 1 - start) // step)
 
 
 def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],

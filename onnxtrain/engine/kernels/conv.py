@@ -152,7 +152,58 @@ def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> di
             "flat_cols": flat and out[0] * row <= FLAT_MAX_COLUMNS * small,
             # a kernel larger than the output (a weight gradient): one GEMM per output position
             "per_output": (small * PER_OUTPUT_MIN_RATIO <= big
-                           and n * c * big * small >= PER_OUTPUT_MIN_COLUMNS)}
+                           and n * c * big * small >= PER_OUTPUT_MIN_COLUMNS),
+            "crop": _conv_live_part(attrs, list(xs[2:]), k, strides, dil, pb, out, group)}
+
+
+def _conv_live_part(node: Attrs, in_sp: list[int], k: list[int], strides: list[int], dil: list[int],
+                    pb: list[int], out: list[int], group: int) -> dict[str, Any] | None:
+    """Where some kernel offsets read only padding at every output, or some outputs only padding (a
+    dilation wider than X: DeepLabV3's ASPP, 3×3 at dilation 36 over 4² planes, reads X by its centre
+    alone): the smaller Conv that computes the rest (``attrs``, by ``w`` = W's index, on ``x`` = X's index,
+    its first ``keep`` outputs written at ``y``, zeros elsewhere). None where every offset and output reads
+    X, or none does."""
+    nd = len(k)
+    first, last, taps = [], [], []
+    for i in range(nd):  # output o reads X's rows o·stride + t·dilation − pad, offsets t
+        s, d, n, p = strides[i], dil[i], in_sp[i], pb[i]
+        lo, hi = 0, out[i] - 1  # the first and last outputs that read X (scanned only where an end does not)
+        while lo <= hi and not _reads_x(lo * s - p, d, k[i], n):
+            lo += 1
+        while hi > lo and not _reads_x(hi * s - p, d, k[i], n):
+            hi -= 1
+        if lo > hi:
+            return None
+        a, b = 0, k[i] - 1  # ... and offsets, over those outputs
+        while a < b and not _reads_x(a * d + lo * s - p, s, hi - lo + 1, n):
+            a += 1
+        while b > a and not _reads_x(b * d + lo * s - p, s, hi - lo + 1, n):
+            b -= 1
+        first.append(lo)
+        last.append(hi)
+        taps.append((a, b))
+    if all(a == 0 and b == v - 1 for (a, b), v in zip(taps, k, strict=True)) and first == [0] * nd and \
+            last == [o - 1 for o in out]:
+        return None
+    keep = [b - a + 1 for a, b in zip(first, last, strict=True)]
+    cut = [b - a + 1 for a, b in taps]
+    begin = [pb[i] - first[i] * strides[i] - taps[i][0] * dil[i] for i in range(nd)]
+    skip = [max(0, -b) for b in begin]  # X's rows before the first that is read
+    begin = [max(0, b) for b in begin]
+    end = [max(0, (keep[i] - 1) * strides[i] + (cut[i] - 1) * dil[i] + 1 - (in_sp[i] - skip[i]) - begin[i])
+           for i in range(nd)]
+    sub = Attrs({"strides": strides, "dilations": dil, "group": group, "pads": begin + end},
+                op="Conv", name=node.name, opset=node.opset)
+    return {"attrs": sub, "keep": keep,
+            "x": (slice(None), slice(None), *(slice(v, None) for v in skip)),
+            "w": (slice(None), slice(None), *(slice(a, b + 1) for a, b in taps)),
+            "y": (slice(None), slice(None), *(slice(a, a + v) for a, v in zip(first, keep, strict=True)))}
+
+
+def _reads_x(start: int, step: int, count: int, size: int) -> bool:
+    """Whether some of the ``count`` positions start + j·step lie in [0, size)."""
+    lo = max(0, -(start // step))
+    return lo <= min(count - 1, (size - 1 - start) // step)
 
 
 def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -403,12 +454,31 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     if is_half(x.dtype):  # float32 products, sums and bias, rounded once (numpy's bfloat16 matmul is float32)
         return in_float32(conv, inputs, attrs)
     g = conv_geometry(attrs, x.shape, w.shape)
+    if g["crop"] is not None:  # offsets or outputs that read only padding: the Conv of the rest
+        y = _live_part_conv(x, w, g)
+        if b is not None:
+            y += b.reshape((g["m"],) + (1,) * g["nd"])
+        return (y,)
     y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
     if y is None:
         y = _conv_gemms(x, w, g)
     if b is not None:
         y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)
+
+
+def _live_part_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Conv without bias by its smaller Conv over the offsets and outputs that read X (``g["crop"]``)."""
+    c = g["crop"]
+    xs = x[c["x"]]
+    part = conv([xs if xs.shape == x.shape else np.ascontiguousarray(xs), np.ascontiguousarray(w[c["w"]])],
+                c["attrs"])[0]
+    part = part[(slice(None), slice(None), *(slice(0, v) for v in c["keep"]))]
+    if part.shape[2:] == tuple(g["out"]):
+        return np.ascontiguousarray(part)
+    y = np.zeros((x.shape[0], g["m"], *g["out"]), x.dtype)
+    y[c["y"]] = part
+    return y
 
 
 # ------------------------------------------------------------------------------------- ConvTranspose
@@ -689,7 +759,7 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
     if g["crop"] is not None:  # kernel offsets that reach no output: the ConvTranspose by the rest of W
         index, sub = g["crop"]
-        return conv_transpose([x, w[index]] + ([b] if b is not None else []), sub)
+        return conv_transpose([x, np.ascontiguousarray(w[index])] + ([b] if b is not None else []), sub)
     y = _conv_transpose_as_conv(x, w, g, attrs) if g["as_conv"] is not None else None
     if y is None and g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
         y = depthwise.conv_transpose(x, w, g)
