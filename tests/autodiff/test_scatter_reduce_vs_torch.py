@@ -118,3 +118,40 @@ def test_repeated_indices_without_reduction_give_each_slot_once(op: str) -> None
     want_data = dd.numpy() if op == "ScatterElements" else dd.numpy().T
     np.testing.assert_allclose(got["data_grad"], want_data, rtol=1e-12)
     np.testing.assert_allclose(got["upd_grad"].sum(), dv.item(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "symbolic"])
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_constant_indices_naming_a_slot_negatively_and_positively_overwrite(op: str, static: bool) -> None:
+    """Constant indices 2 and -1 over an axis of 3 name the same slot (ONNX counts a negative index from the
+    end), so the second update overwrites the first and the first gets no gradient; both got it, as the
+    indices were taken for distinct. With the data's dims declared or symbolic. Oracle: central
+    differences of onnxruntime's float64 forward with respect to each update."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+    if op == "ScatterElements":
+        idx, ds, us, attrs = np.array([[2, -1, 0], [-3, 1, -2]]), (2, 3), (2, 3), {"axis": 1}
+    else:
+        idx, ds, us, attrs = np.array([[2], [-1], [0]]), (3, 2), (3, 2), {}
+    data, upd, w = rng.standard_normal(ds), rng.standard_normal(us), rng.standard_normal(ds)
+    graph = helper.make_graph(
+        [helper.make_node(op, ["data", "idx", "upd"], ["y"], **attrs),
+         helper.make_node("Mul", ["y", "w"], ["yw"]),
+         helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0)],
+        "scatter",
+        [helper.make_tensor_value_info("data", TensorProto.DOUBLE, ds if static else ["a", "b"]),
+         helper.make_tensor_value_info("upd", TensorProto.DOUBLE, us)],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        [onnx.numpy_helper.from_array(idx.astype(np.int64), "idx"), onnx.numpy_helper.from_array(w, "w")])
+    model = make_model(graph, 18)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = np.zeros_like(upd)
+    for k in np.ndindex(upd.shape):
+        step = np.zeros_like(upd)
+        step[k] = 1e-6
+        hi, lo = (sess.run(None, {"data": data, "upd": upd + s})[0] for s in (step, -step))
+        want[k] = (hi - lo) / 2e-6
+    gmodel = build_gradient_model(model, "loss", ["data", "upd"])
+    names = [o.name for o in gmodel.graph.output]
+    got = dict(zip(names, run_engine(gmodel, {"data": data, "upd": upd})))
+    np.testing.assert_allclose(got["upd_grad"], want, rtol=1e-7, atol=1e-9)

@@ -106,16 +106,25 @@ def _distinct_indices(g: GradCtx, gather: str) -> bool:
     if idx is None:
         return False
     idx = np.asarray(idx)
+    dims = g.static_shape(0)
     if gather == "GatherND":
         rows = idx.reshape(-1, idx.shape[-1]) if idx.ndim else idx.reshape(1, -1)
+        sizes = None if dims is None else dims[:rows.shape[1]]
+    else:
+        axis = g.attr("axis") or 0
+        rank = idx.ndim
+        if rank == 0:
+            return True
+        # along the axis, the other coordinates are the position's own: distinct if no row repeats a slot
+        rows = np.moveaxis(idx, axis % rank, -1).reshape(-1, idx.shape[axis % rank])
+        sizes = None if dims is None or len(dims) != rank else [dims[axis % rank]] * rows.shape[1]
+    if (rows < 0).any():  # -1 and size − 1 name one slot: counted from the end, where the size is known
+        if sizes is None or len(sizes) != rows.shape[1] or any(d is None for d in sizes):
+            return False
+        rows = np.where(rows < 0, rows + np.array(sizes, np.int64), rows)
+    if gather == "GatherND":
         return len({tuple(r) for r in rows.tolist()}) == len(rows)
-    axis = g.attr("axis") or 0
-    rank = idx.ndim
-    if rank == 0:
-        return True
-    # along the axis, the other coordinates are the position's own: distinct if no column repeats
-    moved = np.moveaxis(idx, axis % rank, -1).reshape(-1, idx.shape[axis % rank])
-    return all(len(set(r)) == len(r) for r in moved.tolist())
+    return all(len(set(r)) == len(r) for r in rows.tolist())
 
 
 def _kept_updates_only(g: GradCtx, scatter: str, gather_of: Any, du: str, kw: dict) -> str:
