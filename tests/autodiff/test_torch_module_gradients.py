@@ -494,7 +494,18 @@ case(
 def _index_put(indices: list[list[int]]) -> tuple[nn.Module, tuple]:
     def fn(s, routed, mask, expert):  # noqa: ANN001, ANN202
         routed = routed.clone()
-        routed[mask] = expert
+        if torch.onnx.is_in_onnx_export():
+            routed[mask] = expert
+            return routed
+        # torch's oracle: the same values, written by the updates each slot keeps (the last one to it, as
+        # the engine and onnxruntime write). torch's own index_put gives every repeat of an index the slot's
+        # gradient, as onnxruntime-training's ScatterND gradient did, though only the kept one reaches the
+        # output; onnxtrain differentiates what the forward computes (README, ScatterND)
+        flat = mask.reshape(-1)
+        flat = torch.where(flat < 0, flat + routed.shape[0], flat)  # (one past the end still raises)
+        later = torch.ones(len(flat), len(flat), dtype=torch.bool).triu(1)
+        kept = ~((flat[:, None] == flat[None, :]) & later).any(1)
+        routed[flat[kept]] = expert.reshape(len(flat), *expert.shape[mask.dim():])[kept]
         return routed
 
     expert = torch.tensor([[[0.3817], [0.9625], [0.9625], [0.9625]]] * 2)
