@@ -23,6 +23,7 @@ from onnxtrain.engine.fusion.common import (
     swapped_conv,
     transposes_by,
 )
+from onnxtrain.engine.kernels.conv import reads_input
 from onnxtrain.engine.kernels.half_cast import HALF
 from onnxtrain.engine.kernels.matmul import half_product_plus
 from onnxtrain.engine.parallel import for_ranges_with_own_blas
@@ -212,7 +213,7 @@ def _live_span(xsp: tuple[int, ...], ysp: tuple[int, ...], strides: tuple[int, .
     k = _kernel_dims(padded, ysp, list(strides), list(dil), limit)
     first, last = [], []
     for i in range(nd):  # offset t of axis i reads X's rows t·strides − pad + j·dil, outputs j
-        live = [t for t in range(k[i]) if _reads(t * strides[i] - pads[i], dil[i], ysp[i], xsp[i])]
+        live = [t for t in range(k[i]) if reads_input(t * strides[i] - pads[i], dil[i], ysp[i], xsp[i])]
         if not live:
             return None
         first.append(live[0])
@@ -227,12 +228,6 @@ def _live_span(xsp: tuple[int, ...], ysp: tuple[int, ...], strides: tuple[int, .
     end = [max(0, (cut[i] - 1) * strides[i] + (ysp[i] - 1) * dil[i] + 1 - (xsp[i] - skip[i]) - begin[i])
            for i in range(nd)]
     return tuple(k), tuple(first), tuple(cut), tuple(skip), tuple(begin + end)
-
-
-def _reads(start: int, step: int, count: int, size: int) -> bool:
-    """Whether some of the ``count`` positions start + j·step lie in [0, size)."""
-    lo = max(0, -(start // step))
-    return lo <= min(count - 1, (size - 1 - start) // step)
 
 
 def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],

@@ -168,16 +168,16 @@ def _conv_live_part(node: Attrs, in_sp: list[int], k: list[int], strides: list[i
     for i in range(nd):  # output o reads X's rows o·stride + t·dilation − pad, offsets t
         s, d, n, p = strides[i], dil[i], in_sp[i], pb[i]
         lo, hi = 0, out[i] - 1  # the first and last outputs that read X (scanned only where an end does not)
-        while lo <= hi and not _reads_x(lo * s - p, d, k[i], n):
+        while lo <= hi and not reads_input(lo * s - p, d, k[i], n):
             lo += 1
-        while hi > lo and not _reads_x(hi * s - p, d, k[i], n):
+        while hi > lo and not reads_input(hi * s - p, d, k[i], n):
             hi -= 1
         if lo > hi:
             return None
         a, b = 0, k[i] - 1  # ... and offsets, over those outputs
-        while a < b and not _reads_x(a * d + lo * s - p, s, hi - lo + 1, n):
+        while a < b and not reads_input(a * d + lo * s - p, s, hi - lo + 1, n):
             a += 1
-        while b > a and not _reads_x(b * d + lo * s - p, s, hi - lo + 1, n):
+        while b > a and not reads_input(b * d + lo * s - p, s, hi - lo + 1, n):
             b -= 1
         first.append(lo)
         last.append(hi)
@@ -200,8 +200,9 @@ def _conv_live_part(node: Attrs, in_sp: list[int], k: list[int], strides: list[i
             "y": (slice(None), slice(None), *(slice(a, a + v) for a, v in zip(first, keep, strict=True)))}
 
 
-def _reads_x(start: int, step: int, count: int, size: int) -> bool:
-    """Whether some of the ``count`` positions start + j·step lie in [0, size)."""
+def reads_input(start: int, step: int, count: int, size: int) -> bool:
+    """Whether some of the ``count`` positions start + j·step lie in [0, size): whether a row of kernel
+    offsets (or of outputs) reads X anywhere but its padding."""
     lo = max(0, -(start // step))
     return lo <= min(count - 1, (size - 1 - start) // step)
 
