@@ -53,6 +53,21 @@ def fed_gradient_model(weights: dict[str, np.ndarray], dtype=F32) -> onnx.ModelP
                           [numpy_helper.from_array(np.asarray(w, dtype), n) for n, w in weights.items()])
     return make_model(g, 17)
 
+def _hugging_face_case(tmp_path, steps: int) -> tuple[list[str], onnx.ModelProto, str, dict, str]:
+    """The fed-gradient model of the Hugging Face data's first weights saved as ``base.onnx``, its first
+    ``steps`` gradients saved as ``data.npz``, and an empty ``theirs`` folder for onnxruntime-training's
+    artifacts: (the weights' names, the model, its path, the gradients by ``<name>_<step>``, their path)."""
+    names = list(HF_SHAPES)
+    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
+    base = str(tmp_path / "base.onnx")
+    onnx.save(model, base)
+    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
+            for n in names for t in range(steps)}
+    np.savez(tmp_path / "data.npz", **data)
+    (tmp_path / "theirs").mkdir()
+    return names, model, base, data, str(tmp_path / "data.npz")
+
+
 
 def session(opt: str, weights: dict[str, np.ndarray], backend: str = "numpy", dtype=F32,
             state: dict | None = None, **kw) -> TrainingSession:
@@ -728,16 +743,9 @@ def test_ondevice_artifacts_step_as_onnxruntime_training_on_the_hugging_face_dat
     from onnxtrain.training.api import CheckpointState, Module, Optimizer
     from tests.ortt import PREAMBLE, run_script
 
-    names = list(HF_SHAPES)
-    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
-    base = str(tmp_path / "base.onnx")
-    onnx.save(model, base)
-    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
-            for n in names for t in range(10)}
-    np.savez(tmp_path / "data.npz", **data)
-    (tmp_path / "theirs").mkdir()
+    names, model, base, data, data_path = _hugging_face_case(tmp_path, 10)
     theirs = run_script(PREAMBLE + _ORTT_STEPS, base, str(tmp_path / "theirs"), optimizer,
-                        str(tmp_path / "data.npz"), json.dumps(names))
+                        data_path, json.dumps(names))
 
     ours_dir = tmp_path / "ours"
     ours_dir.mkdir()
@@ -805,16 +813,9 @@ def test_translated_adamw_node_takes_the_operator_defaults(tmp_path) -> None:
     from onnxtrain.training.api import CheckpointState, Module, Optimizer
     from tests.ortt import PREAMBLE, run_script
 
-    names = list(HF_SHAPES)
-    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
-    base = str(tmp_path / "base.onnx")
-    onnx.save(model, base)
-    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
-            for n in names for t in range(3)}
-    np.savez(tmp_path / "data.npz", **data)
+    names, model, base, data, data_path = _hugging_face_case(tmp_path, 3)
     folder = tmp_path / "theirs"
-    folder.mkdir()
-    theirs = run_script(PREAMBLE + _ORTT_DEFAULT_ATTRIBUTES, base, str(folder), str(tmp_path / "data.npz"),
+    theirs = run_script(PREAMBLE + _ORTT_DEFAULT_ATTRIBUTES, base, str(folder), data_path,
                         json.dumps(names))
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
     module = Module(str(folder / "training_model.onnx"), state)
@@ -864,16 +865,9 @@ def test_adamw_block_options_of_none_step_as_onnxruntime_training(kwargs: dict, 
     from onnxtrain.training.api import CheckpointState, Module, Optimizer
     from tests.ortt import PREAMBLE, run_script
 
-    names = list(HF_SHAPES)
-    model = fed_gradient_model({n: np.reshape(HF_FIRST[n], HF_SHAPES[n]) for n in names})
-    base = str(tmp_path / "base.onnx")
-    onnx.save(model, base)
-    data = {f"{n}_{t}": np.reshape(np.array(HF_GRADIENTS[n][t], F32), HF_SHAPES[n])
-            for n in names for t in range(3)}
-    np.savez(tmp_path / "data.npz", **data)
-    (tmp_path / "theirs").mkdir()
+    names, model, base, data, data_path = _hugging_face_case(tmp_path, 3)
     theirs = run_script(PREAMBLE + _ORTT_BLOCK_STEPS, base, str(tmp_path / "theirs"),
-                        str(tmp_path / "data.npz"), json.dumps(names), json.dumps(kwargs))
+                        data_path, json.dumps(names), json.dumps(kwargs))
     ours_dir = tmp_path / "ours"
     ours_dir.mkdir()
     block = onnxblock.optim.AdamW(**kwargs)
