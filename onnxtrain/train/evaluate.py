@@ -12,7 +12,7 @@ from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError, changed_keys
-from onnxtrain.train.model import build_model, inference_model
+from onnxtrain.train.model import LABEL_LOSSES, build_model, inference_model, label_source
 from onnxtrain.train.outputs import find_checkpoint
 from onnxtrain.train.session import feed_names, training_parameters
 from onnxtrain.train.state import checkpoint_weights
@@ -91,9 +91,6 @@ class Evaluator:
         return out
 
 
-_LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-
-
 class LabelLoss:
     """How the eval set's batches make up its mean loss and accuracy, from the SoftmaxCrossEntropyLoss or
     NegativeLogLikelihoodLoss node that reads the labels: labels equal to its ``ignore_index`` count in
@@ -111,10 +108,11 @@ class LabelLoss:
 
     @classmethod
     def of(cls, model: onnx.ModelProto, labels: str, loss: str) -> LabelLoss:
-        """The labels' loss node of ``model`` (labels input ``labels``, loss output ``loss``)."""
+        """The labels' loss node of ``model`` (labels input ``labels``, fed to it as they are or reshaped;
+        loss output ``loss``)."""
         g = model.graph
-        node = next((n for n in g.node if n.op_type in _LABEL_LOSSES and len(n.input) > 1
-                     and n.input[1] == labels), None)
+        node = next((n for n in g.node if n.op_type in LABEL_LOSSES and len(n.input) > 1
+                     and label_source(g, n.input[1]) == labels), None)
         if node is None:
             return cls()
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

@@ -124,16 +124,31 @@ def _check_logits(model: onnx.ModelProto, logits: str, loss: str) -> None:
                                           f"dimension; {hint}")
 
 
-_LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")  # the losses that read class labels
+# ops that pass a label tensor on with its values and their order unchanged (a sequence model's y.view(-1))
+_LABEL_RESHAPES = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def label_source(graph: onnx.GraphProto, value: str) -> str:
+    """The value ``value`` is a reshape of (through Reshape, Flatten, Squeeze, Unsqueeze and Identity nodes):
+    the graph input that feeds a loss its labels, when they are reshaped on the way; ``value`` itself
+    otherwise."""
+    producers = {o: n for n in graph.node for o in n.output}
+    seen = set()
+    while value in producers and value not in seen and producers[value].op_type in _LABEL_RESHAPES:
+        seen.add(value)
+        value = producers[value].input[0]
+    return value
 
 
 def _check_labels_input(model: onnx.ModelProto, labels: str, loss: str) -> None:
     """A ConfigError naming model.labels when the loss is a cross-entropy node that reads its labels
-    straight from another graph input than ``labels`` (the data's inputs would go to the labels)."""
+    from another graph input than ``labels``, as it is or reshaped (the data's inputs would go to the
+    labels)."""
     node = next((n for n in model.graph.node if loss in n.output), None)
-    if node is None or node.op_type not in _LABEL_LOSSES or len(node.input) < 2:
+    if node is None or node.op_type not in LABEL_LOSSES or len(node.input) < 2:
         return
-    read = node.input[1]
+    read = label_source(model.graph, node.input[1])
     if read != labels and read in user_inputs(model):
         raise ConfigError("model.labels", f"{labels!r} is not the input the loss {loss!r} reads its labels "
                                           f"from: that is {read!r} (set model.labels: {read})")

@@ -23,7 +23,7 @@ from onnxtrain.train.config import (
     SequenceData,
     builder_signature,
 )
-from onnxtrain.train.model import user_inputs
+from onnxtrain.train.model import LABEL_LOSSES, label_source, user_inputs
 
 OPTIMIZERS = {"sgd": "SGDOptimizer", "adam": "AdamOptimizer", "lamb": "LambOptimizer"}
 
@@ -287,14 +287,17 @@ def _check_indices(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.nda
 
 def _check_classes(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.ndarray],
                    keys: dict[str, str], split: str, inferred: dict[str, Any]) -> None:
-    """Class labels fed straight to a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss must lie in
-    [0, classes) (or be its ignore_index): a ConfigError naming the data key otherwise, not a failed step.
+    """Class labels fed to a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss (as they are or reshaped)
+    must lie in [0, classes) (or be its ignore_index): a ConfigError naming the data key otherwise, not a
+    failed step.
     ``inferred`` keeps the model's value types (key ``"types"``) between calls."""
     for node in model.graph.node:
-        if (node.op_type not in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-                or len(node.input) < 2 or node.input[1] not in arrays):
+        if node.op_type not in LABEL_LOSSES or len(node.input) < 2:
             continue
-        y = arrays[node.input[1]]
+        fed = label_source(model.graph, node.input[1])
+        if fed not in arrays:
+            continue
+        y = arrays[fed]
         if not y.size or not np.issubdtype(y.dtype, np.integer):
             continue
         if "types" not in inferred:
@@ -309,7 +312,7 @@ def _check_classes(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.nda
             bad &= y != ignore
         if not bad.any():
             continue
-        data_key, where = _data_where(cfg, keys[node.input[1]], split)
+        data_key, where = _data_where(cfg, keys[fed], split)
         raise ConfigError(data_key, f"{where}: class label {int(y[bad].flat[0])}, but the loss "
                                     f"{node.name or node.op_type!r} scores {classes} classes "
                                     f"({node.input[0]!r} has shape {dims}): labels must lie in "

@@ -114,6 +114,62 @@ def test_eval_leaves_out_labels_the_loss_ignores(tmp_path, capsys, eval_batch, w
     assert json.loads(capsys.readouterr().out) == {k: last[k] for k in ("eval_loss", "eval_accuracy")}
 
 
+def test_eval_finds_the_ignore_index_of_labels_reshaped_on_their_way_to_the_loss(tmp_path, capsys):
+    """A sequence model's export flattens its labels before the loss (torch's ``y.view(-1)``): the eval found
+    the loss's ignore_index only where the loss read the labels input itself, so here ignored labels counted
+    as wrong predictions and the eval set's first batch, all ignored, made eval_loss NaN ("training
+    diverged", exit 1). Both metrics are now those of the whole set, as numpy computes them from
+    onnxruntime's logits of the exported model."""
+    rng = np.random.default_rng(0)
+    flat = helper.make_tensor("flat", TensorProto.INT64, [2], [-1, 3])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["scores"]),  # (N, T, 3)
+         helper.make_node("Transpose", ["scores"], ["logits"], perm=[0, 2, 1]),  # class axis 1, for accuracy
+         helper.make_node("Reshape", ["scores", "flat"], ["rows"]),
+         helper.make_node("Flatten", ["y"], ["y2"], axis=0),  # (1, N·T): two reshapes on the labels' way
+         helper.make_node("Squeeze", ["y2", "zero"], ["y_rows"]),
+         helper.make_node("SoftmaxCrossEntropyLoss", ["rows", "y_rows"], ["loss"], ignore_index=-1)],
+        "sequence", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 4]),
+                     helper.make_tensor_value_info("y", TensorProto.INT64, ["N", 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3, 2])],
+        [numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "W"), flat,
+         numpy_helper.from_array(np.zeros(1, np.int64), "zero")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+
+    def arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        r = np.random.default_rng(seed)
+        x = r.normal(size=(n, 2, 4)).astype(np.float32)
+        y = (x[..., 0] > 0).astype(np.int64) + (x[..., 1] > 0.5)
+        y[r.random((n, 2)) < 0.4] = -1
+        return x, y
+
+    x, y = arrays(100, 1)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    x, y = arrays(30, 2)
+    y[:10] = -1  # the eval's first batch: ignored labels only
+    np.savez(tmp_path / "eval.npz", x=x, y=y)
+    cfg = {"model": {"path": "m.onnx"},
+           "data": {"source": "files", "path": "train.npz", "eval_path": "eval.npz",
+                    "feeds": {"x": "x", "y": "y"}},
+           "optimizer": {"name": "sgd", "lr": 0.1},
+           "training": {"batch_size": 20, "steps": 5, "eval_batch_size": 10},
+           "output": {"plot": False}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = str(tmp_path / "out")
+    assert main(["train", str(config), "--output-dir", out, "-q"]) == 0, capsys.readouterr().err
+    logits = _ort_logits(os.path.join(out, "model.onnx"), x)  # (N, 3, T)
+    rows, labels = np.moveaxis(logits, 1, -1).reshape(-1, 3).astype(np.float64), y.reshape(-1)
+    kept = labels != -1
+    top = rows.max(axis=1)
+    nll = np.log(np.exp(rows - top[:, None]).sum(axis=1)) + top - rows[np.arange(len(labels)),
+                                                                       np.where(kept, labels, 0)]
+    last = [r for r in _records(out) if "eval_loss" in r][-1]
+    assert last["eval_loss"] == pytest.approx(nll[kept].mean(), rel=1e-6)
+    assert last["eval_accuracy"] == (rows.argmax(axis=1) == labels)[kept].mean()
+
+
 # ---- config errors located in the file -------------------------------------------------------------
 
 _LOCATED = """\
