@@ -132,12 +132,20 @@ class LabelLoss:
         by_labels = reduction == "mean" and producers.get(value) is node
         return cls(ignore, by_labels, name, weights)
 
+    def _ignores_some(self, labels: np.ndarray) -> bool:
+        """Whether the ignore_index applies to ``labels`` (the loss has one and they are integers)."""
+        return self.ignore is not None and np.issubdtype(labels.dtype, np.integer)
+
     def kept(self, labels: np.ndarray) -> np.ndarray | None:
         """Which labels count (None: all of them)."""
-        if self.ignore is None or not np.issubdtype(labels.dtype, np.integer):
+        if not self._ignores_some(labels):
             return None
         kept = labels != self.ignore
         return None if kept.all() else kept
+
+    def any_counted(self, labels: np.ndarray) -> bool:
+        """Whether some label of a batch counts (a batch of ignored labels only has no loss: 0/0)."""
+        return not self._ignores_some(labels) or bool((labels != self.ignore).any())
 
     def weight(self, labels: np.ndarray, kept: np.ndarray | None, weights: dict[str, np.ndarray]) -> float:
         """The batch's weight in the eval set's mean loss, in rows (its row count when no label is left out

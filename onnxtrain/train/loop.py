@@ -455,10 +455,10 @@ class Trainer:
             fh.write(json_line(record))
             fh.flush()
 
-    def _labels_counted(self, feeds: dict[str, np.ndarray], ignore: int) -> bool:
+    def _labels_counted(self, feeds: dict[str, np.ndarray]) -> bool:
         """Whether a micro-batch holds a label that its loss does not ignore."""
         labels = feeds.get(self.cfg.model.labels)
-        return labels is None or not np.issubdtype(labels.dtype, np.integer) or bool((labels != ignore).any())
+        return labels is None or self.evaluate.labels.any_counted(labels)
 
     def _rank_mean(self, loss: float, held: bool | None) -> float:
         """The ranks' mean of their logged losses; with ``held`` given (labels that may all be ignored:
@@ -625,7 +625,7 @@ class Trainer:
                                 st.loss_scale = scaler.loss_scale
                                 st.loss_scale_stable_steps = scaler.stable_steps
                         value = check_loss_value(loss, self.cfg.model.loss)
-                        if ignore is None or self._labels_counted(feeds, ignore):  # (else: 0/0, no loss)
+                        if ignore is None or self._labels_counted(feeds):  # (else: 0/0, no loss)
                             st.window_loss += value
                             st.window_n += 1
                         window_samples += len(idx)
