@@ -201,8 +201,9 @@ def _conv_live_part(node: Attrs, in_sp: list[int], k: list[int], strides: list[i
 
 
 def reads_input(start: int, step: int, count: int, size: int) -> bool:
-    """Whether some of the ``count`` positions start + j·step lie in [0, size): whether a row of kernel
-    offsets (or of outputs) reads X anywhere but its padding."""
+    """Whether some of the ``count`` positions start + j·step lie in [0, size): whether a kernel offset (or
+    an output) of a Conv reads X anywhere but its padding, or a ConvTranspose offset's products land in its
+    output."""
     lo = max(0, -(start // step))
     return lo <= min(count - 1, (size - 1 - start) // step)
 
@@ -552,7 +553,7 @@ def _live_taps(in_sp: Sequence[int], k: list[int], strides: list[int], dil: list
     nd = len(k)
     lo_tap, hi_tap = [], []
     for i in range(nd):
-        live = [kk for kk in range(k[i]) if _reach(in_sp[i], strides[i], kk * dil[i] - pb[i], out[i])]
+        live = [kk for kk in range(k[i]) if reads_input(kk * dil[i] - pb[i], strides[i], in_sp[i], out[i])]
         if not live:
             return None
         lo_tap.append(live[0])
@@ -566,13 +567,6 @@ def _live_taps(in_sp: Sequence[int], k: list[int], strides: list[int], dil: list
                   op="ConvTranspose", name=node.name, opset=node.opset)
     index = tuple(slice(a, b + 1) for a, b in zip(lo_tap, hi_tap, strict=True))
     return (slice(None), slice(None), *index), attrs
-
-
-def _reach(size: int, stride: int, first: int, out: int) -> range:
-    """The input indices j whose output j·stride + first lies in [0, out)."""
-    lo = max(0, -(first // stride))
-    hi = min(size, (out - 1 - first) // stride + 1)
-    return range(lo, max(lo, hi))
 
 
 def _as_conv_pads(nd: int, strides: list[int], k: list[int], dil: list[int], pb: list[int],
