@@ -711,6 +711,18 @@ def test_initial_states_are_what_the_graph_starts_from(opt: str, mixed_precision
         assert got["shared_optimizer_state"]["Step"].tolist() == [4]
 
 
+# the end of the onnxruntime-training scripts below: `count` steps at `lr` over the artifacts in `folder`,
+# the weights after each printed as JSON
+_ORTT_TRAIN = r"""
+state, m, o = open_artifacts(folder, lr)
+steps = []
+for t in range(count):
+    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
+    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
+print(json.dumps(steps))
+"""
+
+
 _ORTT_STEPS = r"""
 import json
 
@@ -721,12 +733,7 @@ base, folder, optimizer, data = sys.argv[1], sys.argv[2], sys.argv[3], np.load(s
 names = json.loads(sys.argv[5])
 artifacts.generate_artifacts(onnx.load(base), requires_grad=names, loss=None,
                              optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=folder)
-state, m, o = open_artifacts(folder, 1e-3)
-steps = []
-for t in range(10):
-    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
-    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
-print(json.dumps(steps))
+lr, count = 1e-3, 10
 """
 
 
@@ -744,7 +751,7 @@ def test_ondevice_artifacts_step_as_onnxruntime_training_on_the_hugging_face_dat
     from tests.ortt import PREAMBLE, run_script
 
     names, model, base, data, data_path = _hugging_face_case(tmp_path, 10)
-    theirs = run_script(PREAMBLE + _ORTT_STEPS, base, str(tmp_path / "theirs"), optimizer,
+    theirs = run_script(PREAMBLE + _ORTT_STEPS + _ORTT_TRAIN, base, str(tmp_path / "theirs"), optimizer,
                         data_path, json.dumps(names))
 
     ours_dir = tmp_path / "ours"
@@ -795,12 +802,7 @@ for node in opt_model.graph.node:
         del node.attribute[:]
         node.attribute.extend(kept)
 onnx.save(opt_model, folder + "/optimizer_model.onnx")
-state, m, o = open_artifacts(folder, 0.05)
-steps = []
-for t in range(3):
-    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
-    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
-print(json.dumps(steps))
+lr, count = 0.05, 3
 """
 
 
@@ -815,7 +817,7 @@ def test_translated_adamw_node_takes_the_operator_defaults(tmp_path) -> None:
 
     names, model, base, data, data_path = _hugging_face_case(tmp_path, 3)
     folder = tmp_path / "theirs"
-    theirs = run_script(PREAMBLE + _ORTT_DEFAULT_ATTRIBUTES, base, str(folder), data_path,
+    theirs = run_script(PREAMBLE + _ORTT_DEFAULT_ATTRIBUTES + _ORTT_TRAIN, base, str(folder), data_path,
                         json.dumps(names))
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
     module = Module(str(folder / "training_model.onnx"), state)
@@ -844,12 +846,7 @@ base, folder, data = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
 names, kwargs = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 artifacts.generate_artifacts(onnx.load(base), requires_grad=names, loss=None,
                              optimizer=onnxblock.optim.AdamW(**kwargs), artifact_directory=folder)
-state, m, o = open_artifacts(folder, 0.05)
-steps = []
-for t in range(3):
-    m(*[data[f"{n}_{t}"] for n in names]); o.step(); m.lazy_reset_grad()
-    steps.append({n: state.parameters[n].data.ravel().tolist() for n in names})
-print(json.dumps(steps))
+lr, count = 0.05, 3
 """
 
 
@@ -866,7 +863,7 @@ def test_adamw_block_options_of_none_step_as_onnxruntime_training(kwargs: dict, 
     from tests.ortt import PREAMBLE, run_script
 
     names, model, base, data, data_path = _hugging_face_case(tmp_path, 3)
-    theirs = run_script(PREAMBLE + _ORTT_BLOCK_STEPS, base, str(tmp_path / "theirs"),
+    theirs = run_script(PREAMBLE + _ORTT_BLOCK_STEPS + _ORTT_TRAIN, base, str(tmp_path / "theirs"),
                         data_path, json.dumps(names), json.dumps(kwargs))
     ours_dir = tmp_path / "ours"
     ours_dir.mkdir()
