@@ -59,12 +59,15 @@ def _redeclare_outputs(model: onnx.ModelProto) -> None:
     """Give the graph's outputs the dims inference now finds where their declared ones differ (an exporter
     declares a rewritten pool's output, and the values after it, with ONNX's old count: onnx.checker then
     refuses the model, and its gradient graph)."""
-    bare = onnx.ModelProto()
-    bare.CopyFrom(model)
-    for o in bare.graph.output:  # inferred from the nodes alone, not from the stale declarations
+    declared_types = []
+    for o in model.graph.output:  # inferred from the nodes alone, not from the stale declarations
+        declared_types.append(onnx.TypeProto())
+        declared_types[-1].CopyFrom(o.type)
         if o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
-    types = value_types(bare, declared=False)
+    types = value_types(model, declared=False)
+    for o, tp in zip(model.graph.output, declared_types, strict=True):  # (no copy of the weights)
+        o.type.CopyFrom(tp)
     for o in model.graph.output:
         tp = types.get(o.name)
         if tp is None or not tp.HasField("tensor_type") or not o.type.HasField("tensor_type"):
