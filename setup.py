@@ -10,7 +10,8 @@ MPI = ["mpi4py>=3.1", "mpich"]
 # onnxruntime >= 1.32: the oracle the suite was checked against (1.23, the last for Python 3.10, reads no
 # model of IR version 12 or later: 861 of the suite's comparisons failed there)
 TEST = ["pytest>=7", "pytest-timeout", "pytest-xdist", "torch==2.13.0", "onnxruntime>=1.32",
-        "flatbuffers>=23", "onnxscript", "expecttest", "torchvision==0.28.0", *MPI]
+        "flatbuffers>=23", "onnxscript", "expecttest", "torchvision==0.28.0", "transformers==5.25.0",
+        "timm==1.0.31", *MPI]
 
 setup(
     name="onnxtrain",
