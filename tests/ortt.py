@@ -1,8 +1,10 @@
-"""onnxruntime-training 1.19.2 in its own virtual environment (it needs numpy < 2), made on first use.
+"""onnxruntime-training 1.19.2 (and 1.16.3, for the legacy TrainingSession) in their own virtual environments
+(they need numpy < 2), made on first use.
 
-The peer tests call ``ensure_ortt()``: it creates /tmp/ortt when missing (about a minute from PyPI)
-and skips the test with the reason when that cannot be done (no network, no wheel for this Python).
-Set ONNXTRAIN_ORTT=0 to skip them without trying, ONNXTRAIN_ORTT_DIR to use another folder.
+The peer tests call ``ensure_ortt()`` (``ensure_ort_legacy()``): it creates /tmp/ortt (/tmp/ortleg) when
+missing (about a minute from PyPI) and skips the test with the reason when that cannot be done (no network,
+no wheel for this Python). Set ONNXTRAIN_ORTT=0 to skip them without trying, ONNXTRAIN_ORTT_DIR
+(ONNXTRAIN_ORT_LEGACY_DIR) to use another folder.
 """
 
 from __future__ import annotations
@@ -19,36 +21,57 @@ import pytest
 VENV = os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt")
 PYTHON = os.path.join(VENV, "bin", "python")
 PACKAGES = ["onnxruntime-training==1.19.2", "numpy<2", "onnx"]
+_PROBE = "import onnxruntime.capi._pybind_state as c; c.CheckpointState"
+
+# onnxruntime-training 1.16.3: the last release with the legacy TrainingSession binding (removed in 1.17,
+# microsoft/onnxruntime#18333); its onnx must be < 1.16 (IR 9 at most), its protobuf < 4.
+LEGACY_VENV = os.environ.get("ONNXTRAIN_ORT_LEGACY_DIR", "/tmp/ortleg")
+LEGACY_PYTHON = os.path.join(LEGACY_VENV, "bin", "python")
+LEGACY_PACKAGES = ["onnxruntime-training==1.16.3", "numpy<2", "onnx<1.16", "protobuf<4"]
+_LEGACY_PROBE = "import onnxruntime as o; o.TrainingSession, o.TrainingParameters"
 
 
 def ensure_ortt() -> str:
-    """The venv's python, creating the venv first if needed; skips the calling test when impossible."""
+    """The 1.19.2 venv's python, creating the venv first if needed; skips the calling test when impossible."""
+    return _ensure(VENV, PACKAGES, _PROBE)
+
+
+def ensure_ort_legacy() -> str:
+    """The 1.16.3 venv's python (legacy ``TrainingSession``), made on first use; skips when impossible (no
+    wheel for this Python: 1.16.3 has them for 3.8-3.11)."""
+    return _ensure(LEGACY_VENV, LEGACY_PACKAGES, _LEGACY_PROBE)
+
+
+def _ensure(venv: str, packages: list[str], probe: str) -> str:
+    python = os.path.join(venv, "bin", "python")
+    what = packages[0].replace("==", " ")
     if os.environ.get("ONNXTRAIN_ORTT", "1") == "0":
         pytest.skip("ONNXTRAIN_ORTT=0: onnxruntime-training peer tests disabled")
-    with open("/tmp/ortt.lock", "w") as lock:
+    with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time (pytest-xdist, parallel runs)
-        if not _works():
+        if not _works(python, probe):
             try:
-                if not os.path.exists(PYTHON):
+                if not os.path.exists(python):
                     subprocess.run(
-                        [sys.executable, "-m", "venv", VENV], check=True, timeout=120, capture_output=True
+                        [sys.executable, "-m", "venv", venv], check=True, timeout=120, capture_output=True
                     )
                 subprocess.run(
-                    [PYTHON, "-m", "pip", "install", "-q", *PACKAGES],
+                    [python, "-m", "pip", "install", "-q", *packages],
                     check=True,
                     timeout=900,
                     capture_output=True,
                 )
             except (subprocess.SubprocessError, OSError) as e:
-                pytest.skip(f"could not install onnxruntime-training 1.19.2 into {VENV}: {e}")
-            if not _works():
-                pytest.skip(f"onnxruntime-training 1.19.2 does not import in {VENV}")
-    return PYTHON
+                pytest.skip(f"could not install {what} into {venv}: {e}")
+            if not _works(python, probe):
+                pytest.skip(f"{what} does not import in {venv}")
+    return python
 
 
 def run_script(script: str, *args: str, timeout: float = 600, python: str | None = None) -> Any:
-    """Run ``script`` (``python -c``, PREAMBLE included by the caller) in the onnxruntime-training venv with
-    ``args``, outside this project's path; the JSON value its last stdout line prints (None: no output)."""
+    """Run ``script`` (``python -c``, PREAMBLE included by the caller) in the onnxruntime-training venv
+    (``python``, default 1.19.2's) with ``args``, outside this project's path; the JSON value its last
+    stdout line prints (None: no output)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([python or ensure_ortt(), "-c", script, *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
@@ -57,23 +80,19 @@ def run_script(script: str, *args: str, timeout: float = 600, python: str | None
     return json.loads(lines[-1]) if lines else None
 
 
-_WORKING: set[str] = set()  # venv pythons seen to import onnxruntime-training in this process
+_WORKING: set[str] = set()  # venv pythons seen to import their onnxruntime-training in this process
 
 
-def _works() -> bool:
-    """Whether the venv's python imports onnxruntime-training: asked once per process (a check starts
+def _works(python: str, probe: str) -> bool:
+    """Whether the venv's python imports its onnxruntime-training: asked once per process (a check starts
     that python, about a second, and the peer tests call this a few dozen times in a run)."""
-    if PYTHON in _WORKING:
+    if python in _WORKING:
         return True
-    if not os.path.exists(PYTHON):
+    if not os.path.exists(python):
         return False
-    r = subprocess.run(
-        [PYTHON, "-c", "import onnxruntime.capi._pybind_state as c; c.CheckpointState"],
-        capture_output=True,
-        timeout=120,
-    )
+    r = subprocess.run([python, "-c", probe], capture_output=True, timeout=120)
     if r.returncode == 0:
-        _WORKING.add(PYTHON)
+        _WORKING.add(python)
     return r.returncode == 0
 
 
