@@ -379,7 +379,11 @@ def _train(a: argparse.Namespace) -> int:
     files = ["metrics.jsonl", "config.yaml", *(["metrics.png"] if plotted else []),
              *(os.path.relpath(f, result.output_dir) for f in inside if f)]
     print(f"outputs in {result.output_dir}: {', '.join(files)}")
-    diverged = [k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    diverged = [k for k, v in result.metrics.items()
+                if isinstance(v, float) and not math.isfinite(v) and k not in result.undefined]
+    loss = result.train_loss
+    if result.undefined and not diverged and loss is not None and not math.isfinite(loss):
+        diverged = ["training loss"]  # (an eval that counts no label cannot tell: the training loss does)
     if diverged:  # the run ended, but its model is no use: a failure to scripts and CI
         print(f"onnxtrain: error: training diverged: the final {', '.join(diverged)} is not a finite number",
               file=sys.stderr)

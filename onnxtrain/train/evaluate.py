@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 
@@ -40,6 +42,8 @@ class Evaluator:
     """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
 
     With ``comm`` (several ranks) each rank scores its shard of the eval set and the sums are combined.
+    ``eval_loss`` is NaN when no label of the set counts (every one the loss's ``ignore_index``: 0/0, as
+    torch's ``CrossEntropyLoss`` gives); ``counted`` is then 0 (see :meth:`counted_weight`).
     """
 
     def __init__(self, cfg: Config, model: onnx.ModelProto, weight_names: list[str],
@@ -55,6 +59,7 @@ class Evaluator:
         taken = {v.name for v in scored.graph.input}
         self.weight_names = [n for n in weight_names if n in taken]
         self.labels = LabelLoss.of(model, cfg.model.labels, cfg.model.loss)
+        self.counted = math.nan  # the labels' weight in the last eval's mean loss (0: none counted)
 
     def _seed(self) -> None:
         """Seed the random nodes that eval mode keeps (RandomNormal, ...; Dropout is off) from training.seed
@@ -85,10 +90,20 @@ class Evaluator:
         if self.comm is not None:
             sums = self.comm.allreduce_(np.array([loss_sum, n, correct, count], np.float64), "eval sums")
             loss_sum, n, correct, count = float(sums[0]), float(sums[1]), int(sums[2]), int(sums[3])
-        out = {"eval_loss": loss_sum / n if n else 0.0}
+        self.counted = n
+        out = {"eval_loss": loss_sum / n if n else math.nan}  # (no label counted: 0/0, as torch's)
         if count:
             out["eval_accuracy"] = correct / count
         return out
+
+
+    def counted_weight(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> float:
+        """The weight of the labels of ``arrays`` (the whole eval set, on this rank alone) in its mean loss,
+        without running the model: 0 when every label is ignored (``eval_loss`` is then NaN)."""
+        labels = arrays.get(self.cfg.model.labels)
+        if labels is None or self.labels.ignore is None:
+            return float(len(next(iter(arrays.values()))))
+        return float(self.labels.weight(labels, self.labels.kept(labels), weights))
 
 
 class LabelLoss:

@@ -158,6 +158,10 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the last eval
     checkpoint: str | None = None
     exported: str | None = None
+    # metrics that are NaN because nothing counted (an eval set whose labels are all the ignore_index: 0/0,
+    # as torch's), not because training diverged
+    undefined: tuple[str, ...] = ()
+    train_loss: float | None = None  # the last logged training loss (None: not defined, or not known)
 
 
 class Trainer:
@@ -442,9 +446,25 @@ class Trainer:
             logged.append(r)
         return logged
 
-    def _log(self, records: _Logged, fh: Any, record: dict[str, Any]) -> None:
-        records.append(record)
-        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    def _undefined_eval(self) -> tuple[str, ...]:
+        """("eval_loss",) when the last eval counted no label (every one ignored: its NaN is 0/0, not a
+        divergence), else ()."""
+        return ("eval_loss",) if self.evaluate.counted == 0 else ()
+
+    def _log(self, records: _Logged, fh: Any, record: dict[str, Any],
+             undefined: tuple[str, ...] = ()) -> None:
+        """Append ``record`` to ``metrics.jsonl`` (``fh``, rank 0) and ``records``; a value that is not finite
+        is warned about once as a divergence, unless it is one of ``undefined`` (nothing counted: 0/0)."""
+        records.append(record, undefined)
+        if "eval_loss" in undefined and not getattr(self, "_said_undefined", False):
+            self._said_undefined = True
+            if self.main:
+                print(f"onnxtrain: warning: eval_loss at step {record.get('step')} is not defined (NaN, null "
+                      "in metrics.jsonl): every label of the eval set is the loss's ignore_index "
+                      f"({self.evaluate.labels.ignore}), so its mean is 0/0, as torch's CrossEntropyLoss "
+                      "gives", file=sys.stderr)
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)
+               and k not in undefined]
         if bad and not getattr(self, "_diverged", False):
             self._diverged = True
             if self.main:
@@ -460,14 +480,15 @@ class Trainer:
         labels = feeds.get(self.cfg.model.labels)
         return labels is None or self.evaluate.labels.any_counted(labels)
 
-    def _rank_mean(self, loss: float, held: bool | None) -> float:
-        """The ranks' mean of their logged losses; with ``held`` given (labels that may all be ignored:
-        whether this rank's window held a loss), of the ranks whose window held one (NaN: none did)."""
+    def _rank_mean(self, loss: float, held: bool | None) -> tuple[float, bool]:
+        """The ranks' mean of their logged losses, and whether it is defined; with ``held`` given (labels
+        that may all be ignored: whether this rank's window held a loss), of the ranks whose window held
+        one (NaN, not defined: none did)."""
         if held is None:
-            return self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks
+            return self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks, True
         total = self.comm.allreduce_scalar(loss if held else 0.0, "averaging the logged loss")
         ranks = self.comm.allreduce_scalar(float(held), "counting the ranks with a logged loss")
-        return total / ranks if ranks else math.nan
+        return (total / ranks, True) if ranks else (math.nan, False)
 
     def _stop_requested(self, hit: bool) -> bool:
         """Ctrl-C seen here, or (under mpiexec) on any rank: all ranks stop after the same step."""
@@ -641,17 +662,19 @@ class Trainer:
                     if s % t.log_every == 0 or s == self.total:
                         now = time.perf_counter()
                         loss = st.window_loss / st.window_n if st.window_n else math.nan
+                        held = st.window_n > 0
                         if self.comm is not None:  # each rank's loss is the mean over its equal share
-                            loss = self._rank_mean(loss, st.window_n > 0 if ignore is not None else None)
+                            loss, held = self._rank_mean(loss, held if ignore is not None else None)
                         rec = {"step": s, "epoch": st.epoch, "loss": loss, "lr": lr,
                                "samples_per_s": window_samples / max(now - window_t, 1e-9)}
-                        self._log(records, fh, rec)
+                        self._log(records, fh, rec, () if held else ("loss",))
                         bar.set_postfix({"loss": f"{rec['loss']:.4f}", "lr": f"{lr:.2e}",
                                          "samples/s": f"{rec['samples_per_s']:.0f}"}, refresh=False)
                         st.window_loss, st.window_n, window_t, window_samples = 0.0, 0, now, 0
                     if (s % eval_every == 0 if eval_every else epoch_end) or s == self.total:
                         last_eval = self.evaluate(self.data.eval, self.eval_weights())
-                        self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval})
+                        self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval},
+                                  self._undefined_eval())
                         if show:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                     if (s % ckpt_every == 0 if ckpt_every else epoch_end) or s == self.total:
@@ -671,7 +694,10 @@ class Trainer:
         if late.hit and main:
             print("onnxtrain: Ctrl-C came after the last step; the final eval, plot and export were finished "
                   "first", file=sys.stderr)
-        return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
+        undefined = tuple(k for k, v in last_eval.items() if k == "eval_loss" and not math.isfinite(v)
+                          and self.evaluate.counted_weight(self.data.eval, self.sess.get_state()) == 0)
+        return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported, undefined,
+                         records.last_loss)
 
     def _finish(self, st: RunState, records: _Logged, last_eval: dict[str, float]
                 ) -> tuple[dict[str, float], str | None]:
@@ -683,7 +709,8 @@ class Trainer:
         if self.agree(not evaluated):
             last_eval = self.evaluate(self.data.eval, self.eval_weights())
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
-                self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval})
+                self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval},
+                          self._undefined_eval())
         # (metrics.jsonl holds null for a number that was not finite: NaN again here)
         r = records.last_eval
         if r is not None:
@@ -705,17 +732,22 @@ class Trainer:
 
 
 class _Logged:
-    """What a run keeps of the records it logged: the last one with eval metrics. The records themselves
-    are in ``metrics.jsonl`` only (a list of them grew with every logged step for the whole run)."""
+    """What a run keeps of the records it logged: the last one with eval metrics, and the last training
+    loss. The records themselves are in ``metrics.jsonl`` only (a list of them grew with every logged step
+    for the whole run)."""
 
-    __slots__ = ("last_eval",)
+    __slots__ = ("last_eval", "last_loss")
 
     def __init__(self) -> None:
         self.last_eval: dict[str, Any] | None = None
+        self.last_loss: float | None = None  # None: not defined (or a null read back: not known)
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: dict[str, Any], undefined: tuple[str, ...] = ()) -> None:
         if "eval_loss" in record:
             self.last_eval = record
+        if "loss" in record:
+            v = record["loss"]
+            self.last_loss = None if v is None or "loss" in undefined else float(v)
 
 
 def _read_records(path: str, up_to: int | None = None) -> list[dict[str, Any]]:
