@@ -4,8 +4,9 @@ Exit codes: 0 done, 1 a runtime failure (e.g. a file that is not an ONNX model o
 graph node that fails to run), 2 a bad config or command line (one line on stderr naming the key path,
 option or file: a missing model file or checkpoint, ``--resume`` without a checkpoint or with one that
 does not fit the config, an output path that is one of the command's inputs, data that does not fit the
-model), 130 interrupted by Ctrl-C. Failures print one line; ``ONNXTRAIN_DEBUG=1`` shows the traceback
-instead. Warnings print as one ``onnxtrain: warning: ...`` line each on stderr.
+model), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (``train`` saves a checkpoint first). Failures
+print one line; ``ONNXTRAIN_DEBUG=1`` shows the traceback instead. Warnings print as one
+``onnxtrain: warning: ...`` line each on stderr.
 
 Under ``mpiexec -n N onnxtrain train CONFIG`` the ranks train data-parallel (see
 ``onnxtrain.train.loop``); only rank 0 prints. A rank that fails ends the whole job (MPI_Abort)
@@ -369,7 +370,7 @@ def _train(a: argparse.Namespace) -> int:
     result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume, overwrite=a.overwrite)
     if result.status == "interrupted":
         a.stopped_together = True  # every rank stopped after the same step: no need to abort the job
-        return EXIT_INTERRUPTED
+        return 128 + result.signal if result.signal else EXIT_INTERRUPTED  # (130 SIGINT, 143 SIGTERM)
     if not is_main_process():
         return 0
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
@@ -604,8 +605,8 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train the model a YAML config describes; writes metrics.jsonl, "
                                     "config.yaml (the config as resolved), checkpoints, metrics.png and "
                                     "model.onnx to the output folder. Ctrl-C "
-                                    "stops between steps and saves a checkpoint there (exit 130); --resume "
-                                    "continues from the last checkpoint.")
+                                    "(or SIGTERM) stops between steps and saves a checkpoint there (exit "
+                                    "130; 143); --resume continues from the last checkpoint.")
     _add_config_args(tr)
     tr.add_argument("--output-dir",
                     help="where the run's files go (default: output.dir, else runs/<config name>)")
@@ -692,8 +693,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a Ctrl-C in the instants before SIGINT is held (the command not yet known)
         code = _interrupted(None)
     if argv is None:  # the command line's process: a Ctrl-C while it exits no longer changes the outcome
+        _ignore_sigterm()
         atexit.register(_ignore_sigint)
     return code
+
+
+def _ignore_sigterm() -> None:
+    """Ignore SIGTERM from now on: the command is done. Under mpiexec a SIGTERM that reaches this rank after
+    the ranks agreed to stop on another's (and saved) would otherwise end it by the default action (exit
+    15, and mpiexec's "bad termination" of the job) instead of with the stop's exit code."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _ignore_sigint() -> None:
@@ -822,9 +832,10 @@ def _guarded(a: argparse.Namespace) -> int:
         with warnings.catch_warnings():  # restores warnings.showwarning afterwards
             warnings.showwarning = _warning_printer(w.rank == 0)
             return a.fn(a)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # (a second SIGTERM while train stops: its Terminated, exit 143)
+        signum = getattr(e, "signum", None)
+        print(f"{prog}: {'interrupted' if signum is None else 'stopped by SIGTERM'}", file=sys.stderr)
+        return EXIT_INTERRUPTED if signum is None else 128 + signum
     except ConfigError as e:
         where = getattr(a, "config", None)
         where = where if where and where not in str(e) else None  # the message may name the file itself

@@ -4,9 +4,13 @@ The output folder holds ``metrics.jsonl`` (one JSON object per logged step and p
 ``checkpoints/step_<N>.ckpt`` (written atomically), ``metrics.png``, ``model.onnx`` (a plain
 inference model of the trained weights) and ``config.yaml`` (the resolved configuration).
 
-Ctrl-C (SIGINT) sets a flag that the loop checks between steps: it stops there and saves a checkpoint of
-that step (unless it has one), which ``--resume`` continues from. A second Ctrl-C raises KeyboardInterrupt
-at once, that save too (files are only ever replaced atomically: the last complete checkpoint stays).
+Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL) set a flag that the
+loop checks between steps: it stops there and saves a checkpoint of that step (unless it has one), which
+``--resume`` continues from; the CLI exits 128 + the signal's number (130, 143). A second signal raises
+KeyboardInterrupt (:class:`Terminated` for SIGTERM) at once, that save too (files are only ever replaced
+atomically: the last complete checkpoint stays). Under ``mpiexec`` (which forwards SIGTERM and SIGINT to every
+rank) the ranks agree at each step's start whether any of them was signalled, so they stop after the same
+step however far apart the signals land, and no rank waits in a collective for one that left.
 
 Under ``mpiexec -n N`` every rank runs the loop on its share of each global batch (``split_batch``:
 the batch size stays the config's, so N ranks train as one process would); gradients are averaged
@@ -74,30 +78,45 @@ from onnxtrain.train.state import (
 
 _T = TypeVar("_T")
 EXIT_INTERRUPTED = 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a run between steps
 ADASUM_RANKS = "adasum_ranks"  # checkpoint property: the number of ranks whose optimizer states it holds
 _ADASUM_TAG = 7301  # message tag of the ranks' optimizer states sent to rank 0
 
 
+class Terminated(KeyboardInterrupt):
+    """A second stop signal (SIGTERM) while a run stops: as a second Ctrl-C's KeyboardInterrupt, with the
+    signal's number (the CLI exits 128 + it)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
 class _Interrupts:
-    """Turns the first SIGINT into a flag (checked between steps); the second raises KeyboardInterrupt."""
+    """Turns the first SIGINT or SIGTERM into a flag (checked between steps; ``signum`` says which); the
+    second raises KeyboardInterrupt (SIGINT) or :class:`Terminated` (SIGTERM)."""
 
     def __init__(self) -> None:
         self.hit = False
-        self._prev: Any = None
+        self.signum = 0
+        self._prev: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.hit:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
         self.hit = True
+        self.signum = signum
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGINT, self._handle)
+            for s in STOP_SIGNALS:
+                self._prev[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
+        for s, prev in self._prev.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._prev.clear()
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -162,6 +181,7 @@ class RunResult:
     # as torch's), not because training diverged
     undefined: tuple[str, ...] = ()
     train_loss: float | None = None  # the last logged training loss (None: not defined, or not known)
+    signal: int = 0  # the signal that interrupted the run (SIGINT, SIGTERM), 0 when it finished
 
 
 class Trainer:
@@ -490,11 +510,14 @@ class Trainer:
         ranks = self.comm.allreduce_scalar(float(held), "counting the ranks with a logged loss")
         return (total / ranks, True) if ranks else (math.nan, False)
 
-    def _stop_requested(self, hit: bool) -> bool:
-        """Ctrl-C seen here, or (under mpiexec) on any rank: all ranks stop after the same step."""
+    def _stop_requested(self, signum: int) -> int:
+        """The stop signal (SIGINT, SIGTERM; 0: none) seen here, or (under mpiexec) on any rank, SIGTERM
+        first: all ranks stop after the same step, whichever of them the signal reached and when."""
         if self.comm is None:
-            return hit
-        return self.comm.allreduce_scalar(float(hit), "agreeing on a stop request") > 0
+            return signum
+        seen = np.array([signum == signal.SIGINT, signum == signal.SIGTERM], np.float64)
+        seen = self.comm.allreduce_(seen, "agreeing on a stop request")
+        return int(signal.SIGTERM) if seen[1] else int(signal.SIGINT) if seen[0] else 0
 
     # ---- the loop ----
     def _full_step_left(self, st: RunState) -> bool:
@@ -608,13 +631,14 @@ class Trainer:
         # the label the loss ignores: a batch of such labels only has no loss (0/0) to log
         ignore = self.evaluate.labels.ignore
         bar = _progress_bar(show, total=self.total, initial=st.global_step, desc=self.cfg.name)
-        status = "finished"
+        status, stopped_by = "finished", 0
         try:
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh, \
                     _Interrupts() as stop:
                 started = st.global_step
                 while st.global_step < self.total:
-                    if self._stop_requested(stop.hit):
+                    stopped_by = self._stop_requested(stop.signum)
+                    if stopped_by:
                         status = "interrupted"
                         here = checkpoint_path(self.out, st.global_step)
                         if st.global_step > started and last_ckpt != here:  # (a second Ctrl-C stops the
@@ -686,14 +710,16 @@ class Trainer:
         if status == "interrupted":
             where = f"the last checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
             if main:
-                print(f"onnxtrain: interrupted at step {st.global_step}; {where}"
+                how = "interrupted" if stopped_by == signal.SIGINT else "stopped by SIGTERM"
+                print(f"onnxtrain: {how} at step {st.global_step}; {where}"
                       + ("; continue with --resume" if last_ckpt else ""), file=sys.stderr)
-            return RunResult(self.out, status, st.global_step, last_eval, last_ckpt)
-        with _Interrupts() as late:  # the run's last outputs take seconds: a first Ctrl-C waits for them
+            return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, signal=stopped_by)
+        with _Interrupts() as late:  # the run's last outputs take seconds: a first signal waits for them
             last_eval, exported = self._finish(st, records, last_eval)
         if late.hit and main:
-            print("onnxtrain: Ctrl-C came after the last step; the final eval, plot and export were finished "
-                  "first", file=sys.stderr)
+            what = "Ctrl-C" if late.signum == signal.SIGINT else signal.Signals(late.signum).name
+            print(f"onnxtrain: {what} came after the last step; the final eval, plot and export were "
+                  "finished first", file=sys.stderr)
         undefined = tuple(k for k, v in last_eval.items() if k == "eval_loss" and not math.isfinite(v)
                           and self.evaluate.counted_weight(self.data.eval, self.sess.get_state()) == 0)
         return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported, undefined,

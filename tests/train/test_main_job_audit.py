@@ -427,10 +427,15 @@ def test_once_an_epoch_means_at_each_epochs_end_after_a_batch_size_change(tmp_pa
 
 # ---- Ctrl-C -----------------------------------------------------------------------------------------
 
-def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("signum,code,how", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch, signum, code, how):
     """Ctrl-C at step 23 of a run that checkpoints every 1000 steps: the run saves a checkpoint of step 23
     before it exits 130 (it left none, so --resume started over, the 23 steps lost), and --resume from it
-    ends with the uninterrupted run's checkpoint and model.onnx, byte for byte, and its metrics."""
+    ends with the uninterrupted run's checkpoint and model.onnx, byte for byte, and its metrics. SIGTERM
+    (a scheduler's stop, before its SIGKILL) does the same and exits 143: it ended the run at once, with no
+    checkpoint of the steps since the last one."""
     from onnxtrain.session import TrainingSession
 
     config = tmp_path / "run.yaml"
@@ -444,15 +449,22 @@ def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch)
     def interrupted_run(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 23:  # Ctrl-C during step 23: the loop stops after it
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signum)
         return run(self, *args, **kwargs)
+
+    def unhandled(*_):  # (SIGTERM's default action would end pytest itself)
+        raise AssertionError("the signal reached the handler the run found in place")
 
     monkeypatch.setattr(TrainingSession, "run", interrupted_run)
     capsys.readouterr()
-    assert main(["train", str(config), "--output-dir", out, "-q"]) == 130
+    before = signal.signal(signum, unhandled)
+    try:
+        assert main(["train", str(config), "--output-dir", out, "-q"]) == code
+    finally:
+        signal.signal(signum, before)
     err = capsys.readouterr().err
     saved = os.path.join(out, "checkpoints", "step_00000023.ckpt")
-    assert f"interrupted at step 23; the last checkpoint is {saved}; continue with --resume" in err, err
+    assert f"{how} at step 23; the last checkpoint is {saved}; continue with --resume" in err, err
     monkeypatch.undo()
     assert main(["train", str(config), "--output-dir", out, "-q", "--resume"]) == 0
     got, expected = _files(out), _files(whole)

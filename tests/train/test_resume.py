@@ -56,7 +56,13 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-def test_sigint_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
+@pytest.mark.parametrize("signum,code,how", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "stopped by SIGTERM")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_sigint_then_resume_matches_uninterrupted(tmp_path, uninterrupted, signum, code, how):
+    """SIGINT (Ctrl-C), or SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL; it ended the run
+    at once, exit -15), from outside mid-run: the run saves where it stops and exits 128 + the signal's
+    number, and --resume ends with the uninterrupted run's state."""
     out = str(tmp_path)
     argv = [sys.executable, "-m", "onnxtrain", "train", config_path("digits_mlp"), "--output-dir", out, "-q"]
     for s in SETS:
@@ -68,10 +74,10 @@ def test_sigint_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no checkpoint within 120 s"
         time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "interrupted at step" in err and "--resume" in err
+    assert proc.returncode == code, err
+    assert f"{how} at step" in err and "--resume" in err
     stopped = list_checkpoints(out)
     total = _final(uninterrupted).properties["global_step"]
     assert stopped and stopped[-1][0] < total, "the run finished before SIGINT arrived"
