@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -75,10 +76,56 @@ _DEFAULTS: dict[str, Any] = {
 
 
 def _flag(v: Any) -> bool:
-    """A bool option's value as the binding took it: a bool or an integer, not a string."""
-    if not isinstance(v, (bool, int, np.bool_, np.integer)):
+    """A bool option's value as onnxruntime 1.16.3's binding took it (pybind11's bool): None is False, and
+    a number (int, float, numpy scalar) is its truth value; a string ("False" would be true), a list or
+    another object is refused."""
+    if v is None:
+        return False
+    if isinstance(v, (str, bytes)) or not hasattr(type(v), "__bool__"):
         raise TypeError(f"must be a bool, got {type(v).__name__}")
     return bool(v)
+
+
+def _int(v: Any, bits: int = 32) -> int:
+    """An int option's value as the binding took it: an int, bool or numpy integer in a C int's range
+    (int64 in the attribute maps); a Python float, even 4.0, is refused as pybind11 refused it (other
+    numbers, numpy's float32 or a 0-d float array, which it truncated, are taken only when integral)."""
+    if isinstance(v, (str, bytes, float)):
+        raise TypeError(f"must be an int, got {type(v).__name__} {v!r}")
+    try:
+        i = operator.index(v)  # ints, bools, numpy and torch integers, 0-d integer arrays
+    except TypeError:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = float("nan")
+        if not f.is_integer():
+            raise TypeError(f"must be an int, got {type(v).__name__} {v!r}") from None
+        i = int(f)
+    if not -(2 ** (bits - 1)) <= i < 2 ** (bits - 1):
+        raise TypeError(f"must be an int of {bits} bits, got {i}")
+    return i
+
+
+def _float32(v: Any) -> float:
+    """A float option's value as the binding held it: a C float, read back rounded to float32."""
+    if isinstance(v, (str, bytes)) or v is None:
+        raise TypeError(f"must be a float, got {type(v).__name__} {v!r}")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"must be a float, got {type(v).__name__} {v!r}") from None
+    with np.errstate(over="ignore"):
+        return float(np.float32(f))
+
+
+def _name(v: Any) -> str:
+    """A name as the binding took it: a str (numpy's too) or UTF-8 bytes, read back as a plain str."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    if not isinstance(v, str):
+        raise TypeError(f"must be a str, got {type(v).__name__} {v!r}")
+    return str(v)
 
 
 # older bindings' names of options that onnxruntime renamed: {old name: (new name, old value -> new value,
@@ -93,55 +140,77 @@ RENAMED: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
 }
 
 
-def _number(v: Any, integer: bool) -> bool:
-    """Whether ``v`` is a number the legacy binding took for a float (anything ``float()`` reads but text:
-    numpy and torch scalars and 0-d arrays too) or, with ``integer``, for an int (bools, int enums and
-    integral floats too)."""
-    if isinstance(v, (str, bytes)):
-        return False
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return False
-    return not integer or f.is_integer()
-
-
-def _check_attribute_map(where: str, key: str, entry: Any, integer: bool) -> None:
-    """One weight's entry of ``optimizer_attributes_map`` ({name: float}) or
-    ``optimizer_int_attributes_map`` ({name: int})."""
+def _attribute_map(where: str, key: str, entry: Any, integer: bool) -> dict[str, Any]:
+    """One weight's entry of ``optimizer_attributes_map`` ({name: float}, held as C floats) or
+    ``optimizer_int_attributes_map`` ({name: int64}), as the binding converted it."""
     if not isinstance(entry, dict):
         raise TypeError(f"{where}[{key!r}] must be a dict of attribute values, got "
                         f"{type(entry).__name__} {entry!r}")
+    out = {}
     for attr, v in entry.items():
-        if not isinstance(attr, str) or not _number(v, integer):
+        try:
+            out[_name(attr)] = _int(v, 64) if integer else _float32(v)
+        except TypeError:
             kind = "an int" if integer else "a float"
-            raise TypeError(f"{where}[{key!r}][{attr!r}] must be {kind}, got {type(v).__name__} {v!r}")
+            raise TypeError(f"{where}[{key!r}][{attr!r}] must be {kind}, got {type(v).__name__} "
+                            f"{v!r}") from None
+    return out
 
 
-def _check_immutable_entry(where: str, key: str, entry: Any) -> None:
-    """One op type's entry of ``immutable_weights``: [(input index, value), ...]."""
+def _immutable_entry(where: str, key: str, entry: Any) -> list[tuple[int, float]]:
+    """One op type's entry of ``immutable_weights``: [(input index, value), ...], read back as tuples of
+    an int and a C float."""
     pairs = entry if isinstance(entry, (list, tuple)) else [None]
-    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and _number(p[0], True)
-               and _number(p[1], False) for p in pairs):
-        raise TypeError(f"{where}[{key!r}] must be a list of (input index, value) pairs, got {entry!r}")
+    out = []
+    for p in pairs:
+        try:
+            if not isinstance(p, (list, tuple)) or len(p) != 2 or _int(p[0], 64) < 0:
+                raise TypeError
+            out.append((_int(p[0], 64), _float32(p[1])))
+        except TypeError:
+            raise TypeError(f"{where}[{key!r}] must be a list of (input index, value) pairs, got "
+                            f"{entry!r}") from None
+    return out
 
 
-_MAP_ENTRY_CHECKS: dict[str, Callable[[str, str, Any], None]] = {
-    "optimizer_attributes_map": lambda w, k, e: _check_attribute_map(w, k, e, integer=False),
-    "optimizer_int_attributes_map": lambda w, k, e: _check_attribute_map(w, k, e, integer=True),
-    "immutable_weights": _check_immutable_entry,
+def _sliced_schema_entry(where: str, key: str, entry: Any) -> list[int]:
+    if isinstance(entry, (str, bytes)) or not isinstance(entry, (list, tuple)):
+        raise TypeError(f"{where}[{key!r}] must be a list of ints, got {type(entry).__name__} {entry!r}")
+    try:
+        return [_int(d, 64) for d in entry]
+    except TypeError as e:
+        raise TypeError(f"{where}[{key!r}] {e}") from None
+
+
+def _sliced_axes_entry(where: str, key: str, entry: Any) -> int:
+    try:
+        return _int(entry, 64)
+    except TypeError as e:
+        raise TypeError(f"{where}[{key!r}] {e}") from None
+
+
+_MAP_ENTRIES: dict[str, Callable[[str, str, Any], Any]] = {
+    "optimizer_attributes_map": lambda w, k, e: _attribute_map(w, k, e, integer=False),
+    "optimizer_int_attributes_map": lambda w, k, e: _attribute_map(w, k, e, integer=True),
+    "immutable_weights": _immutable_entry,
+    "sliced_schema": _sliced_schema_entry,
+    "sliced_axes": _sliced_axes_entry,
 }
 
 
-def _check_map(name: str, value: dict) -> None:
-    """A TypeError naming the entry of a map property that is not of the binding's type."""
+def _check_map(name: str, value: dict) -> dict[str, Any]:
+    """A map property's value as the binding converted it (names as str, numbers as their C types); a
+    TypeError naming the entry that is not of the binding's type."""
     where = f"TrainingParameters.{name}"
-    check = _MAP_ENTRY_CHECKS.get(name)
+    convert = _MAP_ENTRIES.get(name)
+    out = {}
     for key, entry in value.items():
-        if not isinstance(key, str):
-            raise TypeError(f"{where}: keys must be names, got {type(key).__name__} {key!r}")
-        if check is not None:
-            check(where, key, entry)
+        try:
+            key = _name(key)
+        except TypeError:
+            raise TypeError(f"{where}: keys must be names, got {type(key).__name__} {key!r}") from None
+        out[key] = convert(where, key, entry) if convert is not None else entry
+    return out
 
 
 class TrainingParameters:
@@ -188,39 +257,49 @@ class TrainingParameters:
             )
         default = _DEFAULTS[name]
         if isinstance(default, set):
-            if isinstance(value, str) or not hasattr(value, "__iter__"):
+            # onnxruntime 1.16.3's binding took a set or frozenset; onnxtrain also takes a list or tuple (a
+            # YAML config's training.parameters has no sets), not a dict or a string
+            if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
                 raise TypeError(
                     f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}"
                 )
-            value = set(value)
-            odd = sorted(repr(v) for v in value if not isinstance(v, str))
+            odd = sorted(repr(v) for v in value if not isinstance(v, (str, bytes)))
             if odd:  # (as the binding's set of strings refuses them)
                 raise TypeError(f"TrainingParameters.{name} must be a set of names (str), got "
                                 f"{', '.join(odd)}")
+            value = {_name(v) for v in value}
         elif isinstance(default, bool):
-            # as the legacy binding: a bool or an integer, not a string ("False" would be true)
             try:
                 value = _flag(value)
             except TypeError as e:
                 raise TypeError(f"TrainingParameters.{name} {e}") from None
         elif isinstance(default, int):
-            if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"TrainingParameters.{name} must be an int, got {type(value).__name__}")
-            if isinstance(value, (float, np.floating)) and not float(value).is_integer():
-                raise TypeError(f"TrainingParameters.{name} must be an int, got {value!r}")
-            value = int(value)
+            try:
+                value = _int(value)
+            except TypeError as e:
+                raise TypeError(f"TrainingParameters.{name} {e}") from None
         elif isinstance(default, float):
-            if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"TrainingParameters.{name} must be a float, got {type(value).__name__}")
-            value = float(value)
-        elif isinstance(default, str) and not isinstance(value, str):
-            raise TypeError(f"TrainingParameters.{name} must be a str, got {type(value).__name__}")
+            try:
+                value = _float32(value)
+            except TypeError as e:
+                raise TypeError(f"TrainingParameters.{name} {e}") from None
+        elif isinstance(default, str):
+            try:
+                value = _name(value)
+            except TypeError as e:
+                raise TypeError(f"TrainingParameters.{name} {e}") from None
         elif isinstance(default, dict):
             if not isinstance(value, dict):
                 raise TypeError(f"TrainingParameters.{name} must be a dict, got {type(value).__name__}")
-            _check_map(name, value)
-        elif isinstance(default, list) and (isinstance(value, str) or not hasattr(value, "__iter__")):
-            raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
+            value = _check_map(name, value)
+        elif isinstance(default, list):
+            # a sequence (a list or tuple, read back as a list), not a set, as the binding's list
+            if isinstance(value, (str, bytes, set, frozenset, dict)) or not hasattr(value, "__iter__"):
+                raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
+            if all(isinstance(v, (str, bytes)) for v in value):
+                value = [_name(v) for v in value]
+            else:
+                value = list(value)
         self._values[name] = copy.deepcopy(value)
         self.__dict__.setdefault("_assigned", set()).add(name)
 

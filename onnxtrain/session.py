@@ -668,6 +668,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         zero_names = self._zero_full_names() if self._zero is not None else {}
         twins = self._twin_masters()
         for name, value in state.items():
+            if isinstance(value, Mapping):  # (get_model_state()'s nesting: onnxruntime refused it too)
+                raise TypeError(f"load_state: {name!r} holds a {type(value).__name__}, not an array; "
+                                "load_state takes the flat {name: array} layout of get_state()")
             if self._is_twin(name, value, twins):  # derived from the masters (loaded too)
                 continue
             if name not in known:

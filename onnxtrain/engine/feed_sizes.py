@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from onnxtrain.engine.interface import EngineError
+from onnxtrain.errors import RuntimeException
 
 if TYPE_CHECKING:
     import onnx
@@ -28,10 +29,11 @@ class Declared(Protocol):
     shape: Sequence[Any] | None
 
 
-class FeedSizeMismatch(EngineError, ValueError):
+class FeedSizeMismatch(EngineError, RuntimeException, ValueError):
     """A run that failed with inputs that share a symbolic dimension fed different sizes of it: an
-    :class:`EngineError`, as any failed run, and a ``ValueError`` naming the inputs, the dimension and the
-    sizes."""
+    :class:`EngineError`, as any failed run, onnxruntime's ``RuntimeException`` (what its legacy session and
+    InferenceSession raise when a node's broadcast fails on such feeds), and a ``ValueError`` naming the
+    inputs, the dimension and the sizes."""
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

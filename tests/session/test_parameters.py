@@ -61,6 +61,7 @@ def test_initial_optimizer_state_is_checked_by_name() -> None:
         ("set_gradients_as_graph_outputs", [1]),
         ("gradient_accumulation_steps", "4"),
         ("gradient_accumulation_steps", 2.5),
+        ("world_size", 2.0),  # onnxruntime 1.16.3's binding refuses a Python float, even an integral one
         ("loss_scale", "1024"),
         ("optimizer_attributes_map", ["W1"]),
         ("immutable_weights", "W1"),
@@ -82,7 +83,7 @@ def test_options_take_what_the_legacy_binding_took() -> None:
     p.enable_grad_norm_clip = 0
     p.use_mixed_precision = np.bool_(True)
     p.gradient_accumulation_steps = np.int64(4)
-    p.world_size = 2.0
+    p.world_size = np.int32(2)
     p.loss_scale = 128
     p.weights_to_train = ["W1", "W2"]
     assert (p.enable_grad_norm_clip, p.use_mixed_precision) == (False, True)

@@ -1,0 +1,194 @@
+"""The models and cases of ``test_legacy_ort116_surface.py``, and one run of them on each side: onnxtrain in
+this process, onnxruntime-training 1.16.3 (``tests/ortt.py``'s legacy venv) in one script run.
+
+Models are written with IR version 8 at opset 17 (1.16.3's onnx 1.15 reads IR <= 9). Every weight has more
+than 8 values: 1.16.3's ConstantSharing pass renames an initializer of 8 values or fewer to
+``ortshared_...`` before the trainable weights are chosen (a bias of 3 came back as
+``ortshared_1_1_3_0_token_0``, "Failed to find attribute map for weight ortshared_..." or "B couldn't find
+the consumer node" when named in ``weights_to_train``), a 1.16.3 fault that onnxtrain does not copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.session import legacy_surface_probes as probes
+
+WEIGHTS = ["z_w1", "a_b1", "m_w2", "scale"]  # graph order; sorted order differs
+FEEDS = {"x": ["float32", [2, 4]], "t": ["float32", [2, 12]]}
+
+
+def _mlp(overridable: bool = False) -> onnx.ModelProto:
+    """x[batch, 4] -> MatMul z_w1 + a_b1 -> Relu -> MatMul m_w2 -> * scale = y[batch, 12]; loss = mean((y -
+    t)^2). With ``overridable``, ``scale`` is also a graph input."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("z_w1", (4, 10)), ("a_b1", (10,)), ("m_w2", (10, 12)))]
+    inits.append(numpy_helper.from_array(np.full(12, 0.5, np.float32), "scale"))
+    nodes = [
+        helper.make_node("MatMul", ["x", "z_w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "a_b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "m_w2"], ["y0"]),
+        helper.make_node("Mul", ["y0", "scale"], ["y"]),
+        helper.make_node("Sub", ["y", "t"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["d2"]),
+        helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+              helper.make_tensor_value_info("t", TensorProto.FLOAT, ["batch", 12])]
+    if overridable:
+        inputs.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, [12]))
+    g = helper.make_graph(nodes, "mlp2", inputs,
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 12])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    m.producer_name, m.doc_string, m.graph.doc_string, m.model_version = "surface", "doc", "gdoc", 3
+    m.metadata_props.add(key="k", value="v")
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def write_models(folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    onnx.save(_mlp(), os.path.join(folder, "mlp2.onnx"))
+    onnx.save(_mlp(overridable=True), os.path.join(folder, "mlp2_overridable.onnx"))
+    with open(os.path.join(folder, "garbage.onnx"), "wb") as f:
+        f.write(b"this is no model")
+
+
+def _params(opt: str = "", maps: bool = True, **kw: Any) -> dict[str, Any]:
+    p: dict[str, Any] = {"loss_output_name": "loss"}
+    if opt:
+        p["training_optimizer_name"] = opt
+    if maps:  # 1.16.3 wants an entry for every trained weight in both maps
+        p["optimizer_attributes_map"] = {w: {} for w in WEIGHTS}
+        p["optimizer_int_attributes_map"] = {w: {} for w in WEIGHTS}
+    p.update(kw)
+    return p
+
+
+# run() variants: fetches, feeds left out / extra / of another dtype or shape, RunOptions, IO binding
+RUNS: list[dict[str, Any]] = [
+    {"outputs": None}, {"outputs": ["loss"]}, {"outputs": ["y"]}, {"outputs": []},
+    {"outputs": ["y", "loss"]}, {"outputs": ["loss"], "lr_shape": []},
+    {"outputs": ["loss"], "lr_shape": [1, 1]},
+    {"outputs": ["loss"], "drop": ["t"]}, {"outputs": ["loss"], "drop": ["Learning_Rate"]},
+    {"outputs": ["loss"], "extra": {"zzz": ["float32", [1]]}},
+    {"outputs": ["loss"], "as": {"x": ["float64", [2, 4]]}},
+    {"outputs": ["loss"], "as": {"x": ["float32", [2, 5]]}},
+    {"outputs": ["loss"], "as": {"x": ["float32", [2, 4, 1]]}},
+    {"outputs": ["loss"], "as": {"x": ["float32", [3, 4]]}},  # x and t fed other sizes of dim "batch"
+    {"outputs": ["loss"], "as": {"Learning_Rate": ["float64", [1]]}},
+    {"outputs": ["loss"], "as": {"Learning_Rate": ["float32", [2]]}},
+    {"outputs": ["nope"]}, {"outputs": ["loss", "loss"]},
+    {"outputs": ["loss"], "run_options": {"only_execute_path_to_fetches": True}},
+    {"outputs": ["y"], "run_options": {"only_execute_path_to_fetches": True}},
+    {"outputs": ["loss", "y"], "run_options": {"training_mode": False}},
+    {"outputs": ["loss", "y"], "run_options": {"training_mode": True, "logid": "r"}},
+    {"outputs": ["loss", "global_gradient_norm"], "iobinding": True},
+    {"outputs": ["y"], "iobinding": True, "run_options": {"only_execute_path_to_fetches": True}},
+]
+LOADS = [[k, s] for k in probes.LOADS for s in (False, True)]
+DUMPED = {"dumps": True}
+
+
+def cases() -> list[dict[str, Any]]:
+    """Every session case, named; each compared on both sides."""
+    c: list[dict[str, Any]] = []
+
+    def add(name: str, params: dict[str, Any], **kw: Any) -> None:
+        c.append({"name": name, "model": kw.pop("model", "mlp2.onnx"), "params": params, "feeds": FEEDS,
+                  "load_weight": "z_w1", **kw})
+
+    add("sgd", _params("SGDOptimizer"), runs=RUNS, loads=LOADS, **DUMPED)
+    add("adam", _params("AdamOptimizer"), runs=RUNS[:5] + RUNS[-2:], loads=LOADS, **DUMPED)
+    add("adam_noclip", _params("AdamOptimizer", enable_grad_norm_clip=False),
+        runs=[{"outputs": None}, {"outputs": ["global_gradient_norm"]}])
+    add("adam_fp16_moments", _params("AdamOptimizer", use_fp16_moments=True), loads=LOADS[:4] + LOADS[-4:])
+    add("adam_bytes", _params("AdamOptimizer"), as_bytes=True, sess_options={"log_severity_level": 3},
+        runs=[{"outputs": ["loss"]}])
+    add("sgd_gradients_out", _params("SGDOptimizer", set_gradients_as_graph_outputs=True),
+        runs=[{"outputs": None}, {"outputs": ["m_w2_grad", "loss"]},
+              {"outputs": ["z_w1_grad"], "run_options": {"only_execute_path_to_fetches": True}}], **DUMPED)
+    add("adam_gradients_out_noclip", _params("AdamOptimizer", set_gradients_as_graph_outputs=True,
+                                             enable_grad_norm_clip=False), runs=[{"outputs": None}])
+    add("no_optimizer", _params(maps=False), runs=[{"outputs": None}, {"outputs": ["loss"]}], **DUMPED)
+    add("no_optimizer_gradients_out", _params(maps=False, set_gradients_as_graph_outputs=True),
+        runs=[{"outputs": None}], **DUMPED)
+    add("lr_name", _params("SGDOptimizer", lr_params_feed_name="lr"),
+        runs=[{"outputs": ["loss"]},
+              {"outputs": ["loss"], "drop": ["lr"], "extra": {"Learning_Rate": ["float32", [1]]}}])
+    add("lr_name_empty", _params("SGDOptimizer", lr_params_feed_name=""))
+    add("providers_none", _params("SGDOptimizer"), providers=None)
+    add("weights_to_train", _params("AdamOptimizer", weights_to_train=["z_w1", "m_w2"]),
+        runs=[{"outputs": None}], loads=[["plus_one", True], ["missing_key", True]])
+    add("weights_not_to_train", _params("SGDOptimizer", weights_not_to_train=["z_w1"]),
+        runs=[{"outputs": None}], loads=[["unknown_key", True]], load_weight="m_w2")
+    add("overridable", _params("SGDOptimizer", weights_not_to_train=["scale"]), model="mlp2_overridable.onnx",
+        runs=[{"outputs": ["y"]}, {"outputs": ["y"], "extra": {"scale": ["float32", [12]]}}])
+    add("initial_state", _params("AdamOptimizer"),
+        initial_state={"z_w1": {"Moment_1": [np.ones((4, 10)).tolist(), "float32"],
+                                "Update_Count": [[3], "int64"]}})
+    # refused on 1.16.3's CPU build (no kernel): its dumps are compared with onnxtrain's graphs
+    add("lamb", _params("LambOptimizer"), **DUMPED)
+    add("sgd_accumulation", _params("SGDOptimizer", gradient_accumulation_steps=3), **DUMPED)
+    add("adam_accumulation", _params("AdamOptimizer", gradient_accumulation_steps=3), **DUMPED)
+    add("adam_mixed_precision", _params("AdamOptimizer", use_mixed_precision=True), **DUMPED)
+    add("sgd_mixed_precision", _params("SGDOptimizer", use_mixed_precision=True), **DUMPED)
+    # bad parameters and paths
+    add("unknown_optimizer", _params("FooOptimizer"), **DUMPED)
+    add("missing_loss", _params("SGDOptimizer", loss_output_name="nope"))
+    add("empty_loss", _params("SGDOptimizer", loss_output_name=""))
+    add("loss_is_an_input", _params("SGDOptimizer", loss_output_name="t"))
+    add("maps_left_empty", _params("SGDOptimizer", maps=False))
+    add("map_missing_a_weight", _params("SGDOptimizer", optimizer_attributes_map={"z_w1": {}},
+                                        optimizer_int_attributes_map={w: {} for w in WEIGHTS}))
+    add("int_map_missing_a_weight", _params("SGDOptimizer", optimizer_int_attributes_map={"z_w1": {}}))
+    add("train_unknown_name", _params("SGDOptimizer", weights_to_train=["z_w1", "no_such"]))
+    add("train_an_input", _params("SGDOptimizer", weights_to_train=["z_w1", "x"]))
+    add("train_an_activation", _params("SGDOptimizer", weights_to_train=["z_w1", "h"]))
+    add("accumulation_without_optimizer", _params(maps=False, gradient_accumulation_steps=3))
+    add("no_such_file", _params("SGDOptimizer"), model="/nonexistent/dir/model.onnx")
+    add("not_a_model", _params("SGDOptimizer"), model="garbage.onnx")
+    add("pathlike", _params("SGDOptimizer"), as_pathlike=True)
+    return c
+
+
+def spec(folder: str) -> dict[str, Any]:
+    return {"models": os.path.join(folder, "models"), "out": os.path.join(folder, "out"), "parameters": True,
+            "cases": cases()}
+
+
+def run_peer(folder: str) -> dict[str, Any]:
+    """The cases on onnxruntime-training 1.16.3: one script run (about 3 s)."""
+    from tests.ortt import ensure_ort_legacy, run_script
+
+    python = ensure_ort_legacy()
+    s = spec(folder)
+    s["out"] += "_peer"
+    path = os.path.join(folder, "cases_peer.json")
+    with open(path, "w") as f:
+        json.dump(s, f)
+    with open(probes.__file__) as f:
+        return run_script(f.read(), path, python=python)
+
+
+def run_ours(folder: str) -> dict[str, Any]:
+    """The same cases on onnxtrain, as JSON (so both sides compare as the same types)."""
+    import warnings
+
+    import onnxtrain
+
+    s = spec(folder)
+    s["out"] += "_ours"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return json.loads(json.dumps(probes.run_cases(onnxtrain, copy.deepcopy(s)), default=str))
