@@ -18,7 +18,9 @@ turns their float noise into full steps of either sign.
 MixedPrecisionScale that divides the sums by N; SGD: a float16 sum bound to SGDOptimizer, a type error) and
 ``use_mixed_precision`` (the same type error; Adam: an invalid graph). Those are checked against float64
 references and torch in the other session tests. Its CPU Adam also ignores the global norm (no clipping, the
-spec's §7.3): onnxtrain clips as the CUDA kernel did unless ``legacy_cpu_adam``, which the Adam cases set.
+spec's §7.3): onnxtrain clips as the CUDA kernel did unless ``legacy_cpu_adam``, which the Adam cases set. Its
+CPU BatchNormalization does not keep the running statistics it computes (each step starts from the model's);
+onnxtrain keeps them, as torch and 1.16.3's CUDA kernel did (a test below).
 
 1.16.3's faults found here, where onnxtrain keeps the right answer (torch's or float64's; README's legacy
 section lists them):
@@ -132,6 +134,18 @@ def with_layer_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
 KEY_BIAS = ("model.layers.0.self_attn.in_proj_bias",)
 
 
+BN_STATISTICS = ("/model/bn/BatchNormalization_output_1", "/model/bn/BatchNormalization_output_2")
+
+
+def _with_outputs(case: Case, names: tuple[str, ...]) -> Case:
+    """``case`` whose model also outputs the float32 [C] values ``names`` (a copy of the model)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(case.model)
+    m.graph.output.extend(helper.make_tensor_value_info(n, T.FLOAT, None) for n in names)
+    case.model = m
+    return case
+
+
 def _with_peer_config(case: Case, **config: str) -> Case:
     case.peer_config = dict(config)
     return case
@@ -238,6 +252,8 @@ def _torch_cases() -> dict[str, Case]:
         "torch_transformer_recompute": case(
             "transformer", "SGDOptimizer", [0.1], gelu_recompute=True, attn_dropout_recompute=True,
             transformer_layer_recompute=True, set_gradients_as_graph_outputs=True),
+        "cnn_bn_running_statistics": _with_outputs(case("cnn_bn", "SGDOptimizer", [0.05, 0.1]),
+                                                   BN_STATISTICS),
     }
 
 
@@ -467,6 +483,34 @@ def test_peer_conv_keeps_its_initial_weights(traces) -> None:
     stale = {**peer.state[0], "model.conv.weight": w0["model.conv.weight"]}
     np.testing.assert_allclose(peer.outputs[1]["loss"], loss(stale), rtol=RTOL)
     assert abs(peer.outputs[1]["loss"] - ours.outputs[1]["loss"]) > 1e-4
+
+
+def test_cpu_batchnorm_running_statistics_are_not_kept(traces) -> None:
+    """A training-mode BatchNormalization's new running statistics (its outputs 1 and 2, here model
+    outputs): 1.16.3's CPU kernel writes them to new tensors, so every step starts again from the model's
+    initial statistics; onnxtrain writes them back (into ``get_state()``), as torch's module.train() and
+    1.16.3's CUDA kernel (BatchNormInternal, whose outputs alias its inputs) did. Both agree on the first step
+    and on the statistics' formula (momentum 0.9, the batch's biased variance)."""
+    torch = pytest.importorskip("torch")
+    case, peer, ours = traces["cnn_bn_running_statistics"]
+    _compare("cnn_bn_running_statistics", peer, ours, range(1))
+    w0 = {t.name: numpy_helper.to_array(t) for t in case.model.graph.initializer}
+    mean_name, var_name = BN_STATISTICS
+
+    def batch_statistics(step: int, conv_weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = torch.tensor(case.steps[step].feeds["x"].astype(np.float64))
+        w = torch.tensor(conv_weight.astype(np.float64))
+        y = torch.nn.functional.conv2d(x, w, padding=1).numpy()
+        return y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
+
+    for k in range(1, len(case.steps)):
+        ours_batch = batch_statistics(k, ours.state[k - 1]["model.conv.weight"])
+        peer_batch = batch_statistics(k, peer.state[k - 1]["model.conv.weight"])
+        for i, (name, key) in enumerate(((mean_name, "running_mean"), (var_name, "running_var"))):
+            kept = 0.9 * ours.outputs[k - 1][name] + 0.1 * ours_batch[i]
+            _close(ours.outputs[k][name], kept, f"onnxtrain {name}")
+            _close(ours.state[k][f"model.bn.{key}"], kept, f"onnxtrain {key}")
+            _close(peer.outputs[k][name], 0.9 * w0[f"model.bn.{key}"] + 0.1 * peer_batch[i], f"1.16.3 {name}")
 
 
 def test_peer_refuses_small_trained_biases(traces) -> None:
