@@ -56,9 +56,45 @@ def _mlp(overridable: bool = False) -> onnx.ModelProto:
     return m
 
 
+def _dropout(ratio: bool = True, training_mode: bool = False) -> onnx.ModelProto:
+    """:func:`_mlp` with a Dropout after the Relu: its ratio (0.25) and training_mode (True) inputs
+    initializers when asked for (training_mode with ratio), its mask an output (1.16.3's gradient builder
+    needs it). 1.16.3 fails on the one with a ratio and no training_mode ("i < node_->OutputDefs().size()"
+    in the gradient builder) and then aborts the process at exit, and aborts building one whose ratio is
+    an empty input name: neither is in the cases."""
+    m = _mlp()
+    g = m.graph
+    relu = next(i for i, n in enumerate(g.node) if n.op_type == "Relu")
+    g.node[relu + 1].input[0] = "hd"
+    inputs = ["h", "ratio", "training_mode_init"][:1 + ratio + training_mode]
+    g.node.insert(relu + 1, helper.make_node("Dropout", inputs, ["hd", "mask"]))
+    g.initializer.append(numpy_helper.from_array(np.array(0.25, np.float32), "ratio"))
+    if training_mode:
+        g.initializer.append(numpy_helper.from_array(np.array(True), "training_mode_init"))
+    if not (ratio or training_mode):
+        del g.initializer[-1]
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _small_bias() -> onnx.ModelProto:
+    """:func:`_mlp` whose first bias has 3 values (z_w1 4 x 3, m_w2 3 x 12): 1.16.3's ConstantSharing prey."""
+    m = _mlp()
+    rng = np.random.default_rng(1)
+    for t in m.graph.initializer:
+        if t.name in ("z_w1", "a_b1", "m_w2"):
+            shape = {"z_w1": (4, 3), "a_b1": (3,), "m_w2": (3, 12)}[t.name]
+            t.CopyFrom(numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), t.name))
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
 def write_models(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     onnx.save(_mlp(), os.path.join(folder, "mlp2.onnx"))
+    onnx.save(_dropout(ratio=False), os.path.join(folder, "dropout_default_ratio.onnx"))
+    onnx.save(_dropout(training_mode=True), os.path.join(folder, "dropout_training_mode.onnx"))
+    onnx.save(_small_bias(), os.path.join(folder, "small_bias.onnx"))
     onnx.save(_mlp(overridable=True), os.path.join(folder, "mlp2_overridable.onnx"))
     with open(os.path.join(folder, "garbage.onnx"), "wb") as f:
         f.write(b"this is no model")
@@ -95,6 +131,14 @@ RUNS: list[dict[str, Any]] = [
     {"outputs": ["loss", "y"], "run_options": {"training_mode": True, "logid": "r"}},
     {"outputs": ["loss", "global_gradient_norm"], "iobinding": True},
     {"outputs": ["y"], "iobinding": True, "run_options": {"only_execute_path_to_fetches": True}},
+]
+# runs of a model with Dropout: training, forward only, training_mode fed, eval through IO binding
+DROPOUT_RUNS: list[dict[str, Any]] = [
+    {"outputs": None}, {"outputs": ["y"], "run_options": {"only_execute_path_to_fetches": True}},
+    {"outputs": ["y"], "extra": {"training_mode": ["bool", []]}},
+    {"outputs": ["loss", "y"], "iobinding": True, "run_options": {"training_mode": False}},
+    {"outputs": ["y"], "iobinding": True,
+     "run_options": {"training_mode": False, "only_execute_path_to_fetches": True}},
 ]
 LOADS = [[k, s] for k in probes.LOADS for s in (False, True)]
 DUMPED = {"dumps": True}
@@ -137,6 +181,15 @@ def cases() -> list[dict[str, Any]]:
     add("initial_state", _params("AdamOptimizer"),
         initial_state={"z_w1": {"Moment_1": [np.ones((4, 10)).tolist(), "float32"],
                                 "Update_Count": [[3], "int64"]}})
+    # (1.16.3 aborts the process (SIGABRT) when a run feeds training_mode, or IO binding's RunOptions has
+    # training_mode False, and no Dropout has a training_mode input: those runs are left out of this one)
+    add("dropout_default_ratio", _params("SGDOptimizer"), model="dropout_default_ratio.onnx",
+        runs=DROPOUT_RUNS[:2], **DUMPED)
+    add("dropout_training_mode", _params("SGDOptimizer"), model="dropout_training_mode.onnx",
+        runs=DROPOUT_RUNS, **DUMPED)
+    add("small_bias_weights_found", _params("SGDOptimizer"), model="small_bias.onnx")
+    add("small_bias_weights_named", _params("SGDOptimizer", weights_to_train=WEIGHTS),
+        model="small_bias.onnx")
     # refused on 1.16.3's CPU build (no kernel): its dumps are compared with onnxtrain's graphs
     add("lamb", _params("LambOptimizer"), **DUMPED)
     add("sgd_accumulation", _params("SGDOptimizer", gradient_accumulation_steps=3), **DUMPED)
