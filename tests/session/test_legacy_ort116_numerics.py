@@ -37,6 +37,7 @@ section lists them):
 * with ``use_fp16_moments`` its CPU Adam never stores the moments (zero after every step).
 * a loss of more than one value: it seeds the backward with one value and reads N past it.
 * at opsets before 11 it builds Gemm's gradient as a two-input Gemm, an invalid graph.
+* a Dropout turned off by feeding ``training_mode`` False: its backward still divides by 1 − ratio.
 * its LayerNormalization gradient reads the node's optional Mean and InvStdDev outputs, which torch's export
   does not name: the transformer cases name them (the same function).
 """
@@ -143,6 +144,12 @@ def _with_outputs(case: Case, names: tuple[str, ...]) -> Case:
     m.CopyFrom(case.model)
     m.graph.output.extend(helper.make_tensor_value_info(n, T.FLOAT, None) for n in names)
     case.model = m
+    return case
+
+
+def _with_feeds(case: Case, **feeds: np.ndarray) -> Case:
+    for step in case.steps:
+        step.feeds = {**step.feeds, **feeds}
     return case
 
 
@@ -266,6 +273,9 @@ def _torch_cases() -> dict[str, Case]:
         "transformer": (lambda: models.TransformerEncoder(vocab=20, seq=6, d=16, heads=2, ff=32, layers=1,
                                                           dropout=0.0, classes=10),
                         lambda: {"tokens": rng.integers(0, 20, (BATCH, 6)).astype(np.int64)}, 10),
+        "mlp_dropout": (lambda: nn.Sequential(nn.Linear(DIN, DH), nn.ReLU(), nn.Dropout(0.3),
+                                              nn.Linear(DH, DOUT)),
+                        lambda: {"x": rng.standard_normal((BATCH, DIN)).astype(np.float32)}, DOUT),
     }
     exported = {}
     for name, (build, inputs, classes) in builds.items():
@@ -304,6 +314,9 @@ def _torch_cases() -> dict[str, Case]:
         "torch_transformer_recompute": case(
             "transformer", "SGDOptimizer", [0.1], gelu_recompute=True, attn_dropout_recompute=True,
             transformer_layer_recompute=True, set_gradients_as_graph_outputs=True),
+        # the Dropout off: the shared training_mode fed False
+        "dropout_training_mode_false": _with_feeds(case("mlp_dropout", "SGDOptimizer", [0.1, 0.2]),
+                                                   training_mode=np.array(False)),
         "cnn_bn_running_statistics": _with_outputs(case("cnn_bn", "SGDOptimizer", [0.05, 0.1]),
                                                    BN_STATISTICS),
     }
@@ -583,6 +596,25 @@ def test_cpu_batchnorm_running_statistics_are_not_kept(traces) -> None:
             _close(ours.outputs[k][name], kept, f"onnxtrain {name}")
             _close(ours.state[k][f"model.bn.{key}"], kept, f"onnxtrain {key}")
             _close(peer.outputs[k][name], 0.9 * w0[f"model.bn.{key}"] + 0.1 * peer_batch[i], f"1.16.3 {name}")
+
+
+def test_peer_scales_the_gradient_of_a_dropout_fed_off(traces) -> None:
+    """torch's MLP with Dropout(0.3), run with ``training_mode`` fed False: 1.16.3's forward drops nothing
+    (its loss is the dropout-free one) but its DropoutGrad still divides by 1 − ratio, so the gradients below
+    the Dropout are 1/0.7 times too large. onnxtrain's are the dropout-free model's (float64)."""
+    case, peer, ours = traces["dropout_training_mode_false"]
+    assert peer.error is None and ours.error is None, (peer.error, ours.error)
+    names = {"W1": "model.0.weight", "b1": "model.0.bias", "W2": "model.3.weight", "b2": "model.3.bias"}
+    w0 = {k: numpy_helper.to_array(t) for t in case.model.graph.initializer for k, n in names.items()
+          if t.name == n}
+    feeds = case.steps[0].feeds
+    lr = float(feeds["Learning_Rate"][0])
+    _, g = _mlp_forward_backward(w0, feeds["x"], feeds["labels"])
+    _close(peer.outputs[0]["loss"], ours.outputs[0]["loss"], "the dropout-free loss")
+    for k, name in names.items():
+        _close(ours.state[0][name], w0[k] - lr * g[k], f"onnxtrain {name}")
+        below = 1 / 0.7 if k in ("W1", "b1") else 1.0
+        _close(peer.state[0][name], w0[k] - lr * below * g[k], f"1.16.3 {name}")
 
 
 def test_peer_refuses_small_trained_biases(traces) -> None:
