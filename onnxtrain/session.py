@@ -238,6 +238,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             _check_user_nodes(model)
 
         self._user_meta = metadata_of(model)  # what get_modelmeta reports: the user's model, not the step's
+        declared = {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
                      if p.training_optimizer_name else None)
         adasum = self._dp is not None and self._dp.mode == "adasum"
@@ -281,11 +282,16 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if self.loss_scale_input_name:
             feed_names.add(self.loss_scale_input_name)
         self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
-        # a frozen weight that the model also declares as a graph input may be fed, as onnxruntime's sessions
-        # let a feed override such an initializer from IR version 4 on; below it (where exporters listed
-        # every initializer as an input) they are constants there, as in InferenceSession: not overridable
+        # a weight that the model also declares as a graph input may be fed, as onnxruntime's sessions let a
+        # feed override such an initializer from IR version 4 on; below it (where exporters listed every
+        # initializer as an input) they are constants there, as in InferenceSession: not overridable. A
+        # trained one too, as in onnxruntime 1.16.3: the run computes with the fed value and leaves the
+        # weight as it was (its optimizer state is updated); not where a step runs as two graphs or over MPI
         inits = {t.name for t in g.full.graph.initializer} if self._ir_version >= 4 else set()
-        frozen = [node_arg(v) for v in g.full.graph.input if v.name in inits and v.name not in self._store]
+        feedable = declared if self._dp is None and not self._halves else set()
+        self._fed_weights = [w for w in g.trainable if w in feedable] if self._ir_version >= 4 else []
+        frozen = [node_arg(v) for v in g.full.graph.input
+                  if v.name in inits and v.name not in self._store or v.name in self._fed_weights]
         self._overridable = [*frozen, *([NodeArg(TRAINING_MODE, "tensor(bool)", [])]
                                         if g.has_training_mode else [])]
         self._outputs = [
@@ -500,7 +506,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                     f"output(s) {missing} are not computed on a gradient-accumulation micro-step"
                 )
         kept = self._graphs.bn_stats if empty_run(feeds) else ()  # running statistics left as they were
+        fed = {w: feeds[w] for w in self._fed_weights if w in feeds}  # trained weights the caller overrides
         feeds = self._feeds_of(plan, feeds)  # e.g. no learning rate when not updating
+        feeds.update((w, v) for w, v in fed.items() if w in feeds)
+        kept = (*kept, *fed)
         if path and self._backend != "numpy":  # onnxruntime writes the new running statistics of a
             # training-mode BatchNormalization into the buffers of the old ones when the graph does not
             # return them (a path run's): it gets copies, so the session's stay as on the numpy engine

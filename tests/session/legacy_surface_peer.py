@@ -77,6 +77,19 @@ def _dropout(ratio: bool = True, training_mode: bool = False) -> onnx.ModelProto
     return m
 
 
+def _all_initializers_as_inputs(ir: int) -> onnx.ModelProto:
+    """:func:`_mlp` at opset 13 with every initializer also a graph input, as exporters wrote them before
+    IR version 4 (where such an input is a constant) and some after (where it can be fed)."""
+    m = _mlp()
+    m.opset_import[0].version = 13  # (at opset 9 1.16.3 builds a two-input Gemm, invalid before 11)
+    m.ir_version = ir
+    g = m.graph
+    for t in g.initializer:
+        g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
 def _small_bias() -> onnx.ModelProto:
     """:func:`_mlp` whose first bias has 3 values (z_w1 4 x 3, m_w2 3 x 12): 1.16.3's ConstantSharing prey."""
     m = _mlp()
@@ -95,6 +108,8 @@ def write_models(folder: str) -> None:
     onnx.save(_dropout(ratio=False), os.path.join(folder, "dropout_default_ratio.onnx"))
     onnx.save(_dropout(training_mode=True), os.path.join(folder, "dropout_training_mode.onnx"))
     onnx.save(_small_bias(), os.path.join(folder, "small_bias.onnx"))
+    for ir in (3, 4):
+        onnx.save(_all_initializers_as_inputs(ir), os.path.join(folder, f"inputs_ir{ir}.onnx"))
     onnx.save(_mlp(overridable=True), os.path.join(folder, "mlp2_overridable.onnx"))
     with open(os.path.join(folder, "garbage.onnx"), "wb") as f:
         f.write(b"this is no model")
@@ -187,6 +202,15 @@ def cases() -> list[dict[str, Any]]:
         runs=DROPOUT_RUNS[:2], **DUMPED)
     add("dropout_training_mode", _params("SGDOptimizer"), model="dropout_training_mode.onnx",
         runs=DROPOUT_RUNS, **DUMPED)
+    for ir in (3, 4):
+        add(f"initializers_as_inputs_ir{ir}", _params("SGDOptimizer"), model=f"inputs_ir{ir}.onnx",
+            runs=[{"outputs": ["loss"]}, {"outputs": ["loss"], "extra": {"scale": ["float32", [12]]}}])
+        add(f"initializers_as_inputs_ir{ir}_frozen", _params("SGDOptimizer", weights_not_to_train=["scale"]),
+            model=f"inputs_ir{ir}.onnx",
+            runs=[{"outputs": ["y"]}, {"outputs": ["y"], "extra": {"scale": ["float32", [12]]}}])
+    add("initializers_as_inputs_ir4_adam", _params("AdamOptimizer"), model="inputs_ir4.onnx",
+        runs=[{"outputs": ["loss"], "extra": {"scale": ["float32", [12]]}}, {"outputs": ["loss"]}])
+    add("providers_unknown", _params("SGDOptimizer"), providers=["FooExecutionProvider"])
     add("small_bias_weights_found", _params("SGDOptimizer"), model="small_bias.onnx")
     add("small_bias_weights_named", _params("SGDOptimizer", weights_to_train=WEIGHTS),
         model="small_bias.onnx")

@@ -10,6 +10,14 @@ numbers are another test's (test_legacy_ort116_numerics.py). An exception of onn
 1.16.3's class (builtins by name, onnxruntime's Fail/InvalidArgument/... by onnxtrain's twin of the same
 name); messages differ on purpose (onnxtrain's name the input, weight or file at fault).
 
+Found and fixed in onnxtrain by this comparison: TrainingParameters' conversions (a Python float for an int
+option refused, None and numbers for a bool, bytes for names, C floats read back, int maps, immutable
+pairs as tuples, tuples for list options), load_state of get_model_state()'s nested dict (ignored; a Fail),
+the class of a run failing on feeds of one symbolic dim in two sizes (also a RuntimeException), and trained
+weights that an IR >= 4 model also declares as graph inputs, which 1.16.3 lists as overridable initializers
+and lets a run feed (that run computes with the value fed and leaves the weight as it was, its moments and
+step count updated): onnxtrain listed only the untrained ones and refused the feed.
+
 Where they differ, on purpose or because 1.16.3 is at fault (each listed below, and in README's legacy
 section):
 
