@@ -511,3 +511,55 @@ def test_flat_conv_transpose_layouts(case, monkeypatch) -> None:
     np.testing.assert_array_equal(layouts[0].view(np.uint32), layouts[1].view(np.uint32))
     if not any(op):  # (onnxruntime refuses an output_padding not under the stride)
         _close(layouts[1], _ort("ConvTranspose", d32, w32, attrs))
+
+
+# stride-1 ConvTransposes too wide for the shifted GEMMs (input × output channels past 4,096), group 1: as the
+# flipped Conv's im2col where there are no more input than output channels, 256 or more output positions over
+# the batch, and at most 64 an image or 2,048 column rows (conv.py ``FLIPPED_IM2COL_MAX_ROWS``); else by
+# flattened rows. (X shape, W shape, attributes, im2col)
+FLIPPED = [
+    ((8, 72, 8, 8), (72, 72, 3, 3), {"pads": [1, 1, 1, 1]}, True),
+    ((4, 64, 10, 12), (64, 96, 3, 5), {"pads": [1, 2, 0, 3], "dilations": [1, 2]}, True),  # 160 an image
+    ((3, 66, 7, 9), (66, 70, 3, 3), {"dilations": [2, 2], "output_padding": [1, 0]}, True),
+    ((8, 96, 8, 8), (96, 64, 3, 3), {"pads": [1, 1, 1, 1]}, False),  # more input channels
+    ((1, 80, 8, 8), (80, 80, 3, 3), {"pads": [1, 1, 1, 1]}, False),  # 64 positions: W's flip costs more
+    ((2, 96, 16, 16), (96, 96, 5, 5), {"pads": [2, 2, 2, 2]}, False),  # 2,400 column rows over 256 positions
+]
+
+
+@pytest.mark.parametrize("case", FLIPPED, ids=str)
+def test_wide_conv_transpose_as_flipped_im2col(case, monkeypatch) -> None:
+    """The im2col of the flipped Conv runs where it should (the flattened rows elsewhere), decided once per
+    shape; torch's transposed convolution in float64, onnxruntime's in float32, and float32 within rounding of
+    the flattened rows' result."""
+    xs, ws, attrs, flipped = case
+    attrs = {"dilations": [1, 1], **attrs}
+    decided = []
+    pays = conv_kernels._flipped_im2col_pays
+    monkeypatch.setattr(conv_kernels, "_flipped_im2col_pays", lambda x, cg: decided.append(1) or pays(x, cg))
+    im2col = _spy(monkeypatch, conv_kernels, "_im2col_conv", small=False)
+    flat = _spy(monkeypatch, conv_kernels, "_conv_transpose_flat", small=False)
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    node = Attrs(dict(attrs), op="ConvTranspose")
+    for _ in range(2):  # the same node twice: one decision
+        y64 = conv_kernels.conv_transpose([x, w], node)[0]
+    assert len(decided) == 1
+    assert bool(im2col) == flipped and len(flat) == (0 if flipped else 2)  # (im2col may go in chunks)
+    np.testing.assert_allclose(y64, _torch_conv_transpose(x, w, attrs), rtol=1e-12, atol=1e-12)
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    y32 = _ours("ConvTranspose", x32, w32, attrs)
+    if not any(attrs.get("output_padding", [])):  # (onnxruntime refuses an output_padding under the dilation)
+        _close(y32, _ort("ConvTranspose", x32, w32, attrs))
+    monkeypatch.setattr(conv_kernels, "FLIPPED_IM2COL_MIN_COLUMNS", 1 << 40)  # the flattened rows always
+    _close(y32, _ours("ConvTranspose", x32, w32, attrs))
+
+
+def _torch_conv_transpose(x: np.ndarray, w: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    """torch's float64 transposed convolution of ``x`` by ``w`` (stride 1), cropped by the ONNX pads and
+    extended by the output_padding (rows no input reaches: zeros)."""
+    full = F.conv_transpose2d(torch.tensor(x), torch.tensor(w), dilation=attrs["dilations"]).numpy()
+    p = attrs.get("pads", [0, 0, 0, 0])
+    op = attrs.get("output_padding", [0, 0])
+    full = np.pad(full, [(0, 0), (0, 0), (0, op[0]), (0, op[1])])
+    return full[:, :, p[0]:full.shape[2] - p[2], p[1]:full.shape[3] - p[3]]

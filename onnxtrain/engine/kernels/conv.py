@@ -610,13 +610,42 @@ CANVAS_MAX_OFFSETS = 9
 POINTWISE_MIN_PLANE = 16
 
 
+# A 2-D stride-1 ConvTranspose too wide for the shifted GEMMs (input × output channels past
+# SHIFTED_MAX_CHANNEL_PAIRS), group 1, with no more input channels than output ones, runs as the flipped
+# Conv's im2col instead of by flattened rows (_conv_transpose_flat), whose GEMM also multiplies each canvas
+# row's (k − 1)·dilation columns of slack and whose adds go over every kernel offset's output: up to
+# ONE_GEMM_WINDOWS_MAX_COLUMNS output positions an image, or beyond while the columns' rows (input channels ×
+# kernel offsets) stay within FLIPPED_IM2COL_MAX_ROWS. 1 core, CPU ms (medians of 7 interleaved, a loaded
+# host; flat → im2col): 32 × 128 × 8² 3×3 to 128 17.1 → 13.5, 32 × 64 × 8² to 128 9.7 → 6.5, dilation 2 15.5 →
+# 8.9, 8 × 256 × 4² to 256 4.1 → 3.3, 5×5 32 × 128 × 8² to 128 53.6 → 37.5, 8 × 64 × 32² to 128 35.5 → 21.3, 8
+# × 128 × 16² to 128 15.5 → 14.0; slower past the rows (8 × 256 × 16² to 256 50.2 → 57.6, 8 × 128 × 16² by 5×5
+# 43.3 → 47.7) and with more input than output channels (128 to 64: 8 × 128 × 8² 3.0 → 3.2, 8 × 128 × 32² 25.0
+# → 29.3; 8 × 256 × 16² to 128 19.6 → 20.4); bench/HISTORY.md has the grid
+FLIPPED_IM2COL_MAX_ROWS = 2048
+# ... and from this many output positions over the batch: with fewer the flipped copy of W costs about what
+# the GEMM does, where the flattened rows read Wᵀ as a view (1 core, CPU ms, flat → im2col: DeepLabV3's head
+# 2 × 256 × 4² 3×3 to 256 1.44 → 1.99, batch 1 0.84 → 1.54, 2 × 256 × 4² to 512 3.2 → 3.9, 2 × 128 × 8² to 128
+# 1.01 → 0.96; 4 × 128 × 8² 1.96 → 1.67, 2 × 128 × 16² 3.6 → 3.3)
+FLIPPED_IM2COL_MIN_COLUMNS = 256
+
+
+def _flipped_im2col_pays(x: np.ndarray, cg: dict[str, Any]) -> bool:
+    """Whether a stride-1 ConvTranspose of ``x`` runs as the im2col of its flipped Conv, of geometry ``cg``
+    (see :data:`FLIPPED_IM2COL_MAX_ROWS`)."""
+    n, c, m = x.shape[0], x.shape[1], cg["m"]
+    return (cg["nd"] == 2 and cg["group"] == 1 and not cg["identity"] and c <= m
+            and c * m > SHIFTED_MAX_CHANNEL_PAIRS and n * cg["L"] >= FLIPPED_IM2COL_MIN_COLUMNS
+            and (cg["L"] <= ONE_GEMM_WINDOWS_MAX_COLUMNS or c * cg["K"] <= FLIPPED_IM2COL_MAX_ROWS))
+
+
 def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
                             attrs: Attrs) -> np.ndarray | None:
     """A stride-1 ConvTranspose as the equivalent Conv, where that runs as one batched product (1×1, see
     :data:`POINTWISE_MIN_PLANE`), by shifted GEMMs (ResNet's
     16-channel input gradient: 5.91 → 2.46 ms; 4 groups of 16: 4.2 → 1.4 ms), by the depthwise kernel's
     banded GEMMs, or, depthwise with more than :data:`CANVAS_MAX_OFFSETS` kernel offsets, by the depthwise
-    Conv's other routes or its im2col; else None."""
+    Conv's other routes or its im2col, or too wide for the shifted GEMMs by its im2col (see
+    :data:`FLIPPED_IM2COL_MAX_ROWS`); else None."""
     if x.dtype not in depthwise.FAST_DTYPES:
         return None
     group = g["group"]
@@ -636,6 +665,11 @@ def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
         return y if y is not None else _conv_gemms(x, wf, cg)
     if _shifted_fits(x, cg):
         return _shifted_conv(x, _flipped(w, group), cg)
+    pays = cg.get("flipped_im2col")
+    if pays is None:  # decided once per shape (cg is kept per shape)
+        pays = cg["flipped_im2col"] = _flipped_im2col_pays(x, cg)
+    if pays:
+        return _im2col_conv(x, _flipped(w, group), cg)
     return None
 
 
