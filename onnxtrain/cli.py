@@ -396,7 +396,8 @@ def _eval(a: argparse.Namespace) -> int:
     from onnxtrain.train import evaluate_checkpoint
 
     cfg = _config(a)
-    metrics = evaluate_checkpoint(cfg, _checkpoint_arg(a.checkpoint))
+    _checkpoint_arg(a.checkpoint)  # (one is there: a folder's damaged latest gives way to the one before)
+    metrics = evaluate_checkpoint(cfg, os.path.expanduser(a.checkpoint))
     if not _first_rank():  # under mpiexec every rank evaluates the same: one prints
         return 0
     if a.json:  # (null for a number that is not finite, as metrics.jsonl: NaN is not JSON)
@@ -416,7 +417,7 @@ def _export(a: argparse.Namespace) -> int:
                                             ("the checkpoint's data file", ckpt + ".data")])
     if cfg.model.path:
         _refuse_overwriting_inputs([a.output], _external_files(cfg.model.path))
-    model, weights = load_for_inference(cfg, ckpt)
+    model, weights = load_for_inference(cfg, os.path.expanduser(a.checkpoint))
     if _first_rank():  # under mpiexec one rank writes (and says so)
         export_model(model, cfg, weights, a.output)
         print(f"wrote {a.output}")

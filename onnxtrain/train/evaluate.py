@@ -13,9 +13,10 @@ from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.train import data as data_mod
+from onnxtrain.train.checksums import checksum_problem
 from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.model import LABEL_LOSSES, build_model, inference_model, label_source
-from onnxtrain.train.outputs import find_checkpoint
+from onnxtrain.train.outputs import checkpoint_candidates
 from onnxtrain.train.session import feed_names, training_parameters
 from onnxtrain.train.state import checkpoint_weights
 
@@ -183,10 +184,12 @@ def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
     """The config's model and the weights of ``checkpoint`` (a file or a run folder); a ConfigError naming
     the tensors when the checkpoint does not fit the model (a weight the config would train that it lacks,
     a trained weight the model does not have, a shape that differs). With ``data_split``, a warning when the
-    config's data keys or seed differ from those the run saved (its held-out split then differs)."""
+    config's data keys or seed differ from those the run saved (its held-out split then differs). A
+    checkpoint whose SHA-256 differs from the sums its save wrote beside it is refused (a ValueError naming
+    it) or, the latest of a run folder, passed over for the one before it, with a warning naming it."""
     from onnxtrain.training_graph import select_trainable
 
-    path = find_checkpoint(checkpoint)
+    path = _whole_checkpoint(checkpoint_candidates(checkpoint))
     model = build_model(cfg)  # (its building's transient copies before the checkpoint's weights are held)
     ckpt = load_checkpoint(path, optimizer_state=False)  # (the moments: twice the weights, never used)
     if data_split:
@@ -207,6 +210,23 @@ def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
     if problems:
         raise ConfigError("", f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}")
     return model, weights
+
+
+def _whole_checkpoint(paths: list[str]) -> str:
+    """The first of ``paths`` (latest first) whose files match their SHA-256 sums (or have none); a warning
+    names each one passed over, a ValueError the last when none matches."""
+    import sys
+
+    problems = []
+    for i, path in enumerate(paths):
+        problem = checksum_problem(path)
+        if problem is None:
+            return path
+        problems.append(problem)
+        if i + 1 < len(paths) and parallel.world().rank == 0:
+            print(f"onnxtrain: warning: {problem}; using the checkpoint before it, {paths[i + 1]}",
+                  file=sys.stderr)
+    raise ValueError(problems[-1] + ("; no checkpoint of the folder is whole" if len(problems) > 1 else ""))
 
 
 def _warn_split_changes(cfg: Config, saved: object, path: str) -> None:

@@ -41,11 +41,12 @@ import onnx
 import yaml
 
 from onnxtrain import parallel
-from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from onnxtrain.checkpoint import Checkpoint, load_checkpoint
 from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.ir.graphs import RANDOM_OPS, model_nodes
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
+from onnxtrain.train.checksums import checksum_problem, save_with_checksum
 from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.evaluate import Evaluator
 from onnxtrain.train.model import build_model, check_loss_value, with_own_statistics
@@ -353,7 +354,7 @@ class Trainer:
                                                          self.cfg.optimizer.lr, applied,
                                                          rank_group_name(rank)))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_checkpoint(ckpt, path)
+        save_with_checksum(ckpt, path)
         keep = self.cfg.training.keep_checkpoints
         if keep:
             for _, old in list_checkpoints(self.out)[:-keep]:
@@ -443,6 +444,29 @@ class Trainer:
                   "steps this config trains (training.epochs / training.steps): nothing more to train",
                   file=sys.stderr)
         return st
+
+    def _restore_whole(self, paths: list[str]) -> tuple[RunState, str]:
+        """Restore the latest of the checkpoints ``paths`` (oldest first) that is whole: one whose SHA-256
+        differs from the sums its save wrote beside it, or that cannot be read, is passed over with a warning
+        naming it (the steps after the one restored are trained again, to the same weights). A ValueError
+        when none is whole."""
+        problems: list[str] = []
+        for i in range(len(paths) - 1, -1, -1):
+            path = paths[i]
+            problem = self.agree(checksum_problem(path) if self.main else None)  # (rank 0 reads the files)
+            if problem is None:
+                try:
+                    return self.restore(load_checkpoint(path), path), path
+                except ConfigError:  # one that does not fit the config: the one before would not either
+                    raise
+                except ValueError as e:  # damaged, and written without sums (or they match a damaged save)
+                    problem = str(e)
+            problems.append(problem)
+            if i and self.main:
+                print(f"onnxtrain: warning: {problem}; resuming from the checkpoint before it, "
+                      f"{paths[i - 1]}", file=sys.stderr)
+        raise ValueError(f"no checkpoint in {os.path.dirname(paths[-1])} to resume from is whole: "
+                         f"{problems[-1]}" + ("; and the later ones, as warned" if len(problems) > 1 else ""))
 
     def _epochs_length(self, st: RunState) -> int:
         """The run's length in optimizer steps, resumed at ``st``: ``training.steps``, or the step where
@@ -586,16 +610,7 @@ class Trainer:
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
         if resume:
-            last_ckpt = found[-1][1]
-            try:
-                st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
-            except ConfigError:  # a checkpoint that does not fit the config: the one before would not either
-                raise
-            except ValueError as e:  # a damaged file (the format has no checksum: one that reads may be too)
-                if len(found) < 2:
-                    raise
-                raise ValueError(f"{e}; move it away to resume from the checkpoint before it, {found[-2][1]}"
-                                 ) from None
+            st, last_ckpt = self._restore_whole([p for _, p in found])
             rng = data_mod.rng_from_str(st.epoch_rng)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):

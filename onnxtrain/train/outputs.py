@@ -34,8 +34,8 @@ _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 # (and a temporary killed in the moment before its lock was taken: ``<name>.<8 random>.onnxtrain.new``)
 _TMP_END = (r"(\.[0-9a-f]{8,}\.journal\.tmp)?\.[a-z0-9_]{8}(" + re.escape(TMP_SUFFIX) + "|"
             + re.escape(FRESH_SUFFIX) + ")$")
-_STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?" + _TMP_END)
-_ORPHAN_DATA = re.compile(r"^step_\d+\.ckpt\.data$")
+_STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data|\.sha256)?" + _TMP_END)
+_ORPHAN_DATA = re.compile(r"^step_\d+\.ckpt\.(data|sha256)$")  # (a checkpoint's side files)
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
 # write_atomic's temporaries of those files
@@ -132,8 +132,8 @@ def inputs_in_the_way(cfg: Config, folder: str) -> list[tuple[str, str]]:
 
 
 def remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint file and its external-data file, where they exist."""
-    for f in (path, path + ".data"):
+    """Delete a checkpoint file, its external-data file and its SHA-256 sums, where they exist."""
+    for f in (path, path + ".data", path + ".sha256"):
         if os.path.exists(f):
             os.unlink(f)
 
@@ -144,8 +144,8 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     :func:`onnxtrain.ir.io.recover_commits`), saying so on stderr; then delete the partial files,
     temporaries of checkpoints (never loaded: :func:`list_checkpoints` matches whole names only) and of the
     run's own files (``metrics.jsonl``, ``config.yaml``, ``metrics.png``, ``model.onnx``), and the ``.data``
-    of a checkpoint whose main file is gone (a prune or overwrite killed between the two). Returns the
-    paths of the files deleted (temporaries, and the journals and backups of those saves)."""
+    and ``.sha256`` of a checkpoint whose main file is gone (a prune or overwrite killed between them).
+    Returns the paths of the files deleted (temporaries, and the journals and backups of those saves)."""
     stale: list[str] = []
     for d, pattern in ((os.path.join(folder, "checkpoints"), _STALE_TMP), (folder, _STALE_RUN_TMP)):
         if os.path.isdir(d):
@@ -157,9 +157,9 @@ def remove_stale_temporaries(folder: str) -> list[str]:
             names = sorted(os.listdir(d))
             temporaries = [os.path.join(d, f) for f in names
                            if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
-            if pattern is _STALE_TMP:  # a pruned checkpoint's .data, its main file deleted before a kill
+            if pattern is _STALE_TMP:  # a pruned checkpoint's .data or .sha256, its main file deleted first
                 temporaries += [os.path.join(d, f) for f in names if _ORPHAN_DATA.match(f)
-                                and f[: -len(".data")] not in names]
+                                and f.rsplit(".", 1)[0] not in names]
             stale += [f for f in temporaries if remove_unless_held(f)]  # (a live writer's stays)
     return stale
 
@@ -180,9 +180,15 @@ def list_checkpoints(folder: str) -> list[tuple[int, str]]:
 def find_checkpoint(path: str) -> str:
     """``path`` if it is a checkpoint file, else the latest checkpoint of the run folder ``path`` (or of its
     ``checkpoints`` folder itself)."""
+    return checkpoint_candidates(path)[0]
+
+
+def checkpoint_candidates(path: str) -> list[str]:
+    """``[path]`` if it is a checkpoint file, else the checkpoints of the run folder ``path`` (or of its
+    ``checkpoints`` folder itself), latest first; a FileNotFoundError when there is none."""
     path = os.path.expanduser(path)
     if os.path.isfile(path):
-        return path
+        return [path]
     if os.path.isdir(path):
         found = list_checkpoints(path)
         folder = os.path.join(path, "checkpoints")
@@ -190,7 +196,7 @@ def find_checkpoint(path: str) -> str:
             found = list_checkpoints(os.path.dirname(os.path.normpath(path)) or ".")
             folder = path
         if found:
-            return found[-1][1]
+            return [p for _, p in reversed(found)]
         raise FileNotFoundError(f"no checkpoint in {folder} (give a run folder, its checkpoints folder or a "
                                 ".ckpt file)")
     raise FileNotFoundError(f"checkpoint not found: {path}")

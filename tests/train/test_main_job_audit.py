@@ -280,7 +280,7 @@ _KILLER = textwrap.dedent("""
             return run(self, *a, **k)
         TrainingSession.run = killing_run
     elif point == "checkpoint":  # the checkpoint's bytes written to its temporary, not yet renamed
-        save = loop.save_checkpoint
+        save = loop.save_with_checksum
         def killing_save(*a, **k):
             if reached():
                 fsync = os.fsync
@@ -289,7 +289,7 @@ _KILLER = textwrap.dedent("""
                     die()
                 os.fsync = killing_fsync
             return save(*a, **k)
-        loop.save_checkpoint = killing_save
+        loop.save_with_checksum = killing_save
     elif point == "prune":  # a new checkpoint saved, the oldest not yet deleted
         remove = loop.remove_checkpoint
         def killing_remove(path):
@@ -300,12 +300,12 @@ _KILLER = textwrap.dedent("""
     elif point == "metrics":  # half of a metrics.jsonl line written
         line = loop.json_line
         log = loop.Trainer._log
-        def killing_log(self, records, fh, record):
+        def killing_log(self, records, fh, record, *rest):
             if fh is not None and reached():
                 fh.write(line(record)[:20])
                 fh.flush()
                 die()
-            return log(self, records, fh, record)
+            return log(self, records, fh, record, *rest)
         loop.Trainer._log = killing_log
     elif point == "export":  # after the last checkpoint, while model.onnx is written
         export = loop.export_model
@@ -476,7 +476,9 @@ def test_ctrl_c_saves_a_checkpoint_where_it_stops(tmp_path, capsys, monkeypatch,
 @pytest.mark.parametrize("keep", [b"", 3000])
 def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(kill_setup, tmp_path, capsys, keep):
     """The latest checkpoint emptied or cut short (a disk that filled, a copy that stopped): --resume
-    exits 1 with one line naming the damaged file and how to go on from the checkpoint before it."""
+    names the damaged file in a warning and continues from the checkpoint before it (it exited 1, to be
+    resumed once the file was moved away), to the uninterrupted run's files, byte for byte (the steps
+    after that checkpoint are trained again: the same weights)."""
     import shutil
 
     config, _, whole = kill_setup
@@ -488,10 +490,16 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(kill_setup
     with open(latest, "wb") as f:
         f.write(keep if isinstance(keep, bytes) else data[:keep])
     capsys.readouterr()
-    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 1
+    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 0
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert f"Cannot load checkpoint '{latest}': the file is damaged" in line, line
-    assert f"move it away to resume from the checkpoint before it, {older}" in line, line
+    assert line.startswith(f"onnxtrain: warning: checkpoint {latest} is damaged"), line
+    assert line.endswith(f"resuming from the checkpoint before it, {older}"), line
+    got, expected = _files(out), _files(whole)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if name.startswith("checkpoints") or name == "model.onnx":
+            assert got[name] == expected[name], name
+    assert _without_speed(out) == _without_speed(whole)
 
 
 def test_a_batch_of_ignored_labels_only_leaves_the_logged_loss_finite(tmp_path, capsys):

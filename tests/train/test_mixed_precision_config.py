@@ -41,7 +41,7 @@ def test_digits_mlp_in_float16(tmp_path) -> None:
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
     from onnxtrain.checkpoint import load_checkpoint
 
-    ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
+    ckpts = sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".ckpt"))
     props = load_checkpoint(str(tmp_path / "checkpoints" / ckpts[-1])).properties
     assert props["loss_scale"] >= 1.0 and "loss_scale_stable_steps" in props
 

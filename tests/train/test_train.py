@@ -89,7 +89,7 @@ def test_eval_and_export_commands(tmp_path, capsys):
     assert scores["eval_accuracy"] == last["eval_accuracy"]
     assert scores["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
     exported = str(tmp_path / "exported.onnx")
-    ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    ckpts = sorted(f for f in os.listdir(os.path.join(out, "checkpoints")) if f.endswith(".ckpt"))
     assert len(ckpts) == 3  # keep_checkpoints
     ckpt = os.path.join(out, "checkpoints", ckpts[-1])
     assert main(["export", config_path("digits_mlp"), "--checkpoint", ckpt, "-o", exported]) == 0

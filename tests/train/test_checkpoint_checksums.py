@@ -1,0 +1,136 @@
+"""SHA-256 sums beside a run's checkpoints (``step_<N>.ckpt.sha256``): a checkpoint of the right length with
+flipped bytes in its weights loaded as if whole (onnxruntime-training's format has no checksum). Now
+``--resume``, ``eval`` and ``export`` check it first: a run folder's damaged latest gives way to the one
+before it with a warning naming it, a damaged file named on its own is refused; checkpoints written
+without sums still load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from onnxtrain.checkpoint import load_checkpoint
+from onnxtrain.cli import main
+from tests.train.test_main_job_audit import _files, _without_speed, kill_setup  # noqa: F401 - a fixture
+
+
+def _ckpt(folder: str, step: int) -> str:
+    return os.path.join(folder, "checkpoints", f"step_{step:08d}.ckpt")
+
+
+def _flip_in_a_weight(path: str) -> tuple[str, int]:
+    """Flip one byte in the middle of the largest trained weight's bytes in the checkpoint file at ``path``
+    (the file keeps its length, and still parses); the weight's name and the byte's offset."""
+    ckpt = load_checkpoint(path)
+    name, arr = max(ckpt.trainable.items(), key=lambda kv: kv[1].nbytes)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    at = data.find(arr.tobytes())
+    assert at >= 0 and data.find(arr.tobytes(), at + 1) < 0
+    at += arr.nbytes // 2
+    data[at] ^= 0x5A
+    with open(path, "wb") as f:
+        f.write(data)
+    damaged = load_checkpoint(path)  # what the checkpoint's own format says: nothing wrong
+    assert not np.array_equal(damaged.trainable[name], arr)
+    return name, at
+
+
+def _eval(capsys, config: str, checkpoint: str) -> tuple[int, dict | None, str]:
+    capsys.readouterr()
+    code = main(["eval", config, "--checkpoint", checkpoint, "--json"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out) if code == 0 else None, out.err
+
+
+def test_the_sums_are_sha256sums_of_the_files(kill_setup):  # noqa: F811
+    """Each checkpoint has its .sha256, which coreutils' sha256sum -c accepts in the checkpoints folder."""
+    _, _, whole = kill_setup
+    folder = os.path.join(whole, "checkpoints")
+    names = sorted(os.listdir(folder))
+    assert names == ["step_00000065.ckpt", "step_00000065.ckpt.sha256", "step_00000066.ckpt",
+                     "step_00000066.ckpt.sha256"], names
+    if shutil.which("sha256sum") is None:
+        pytest.skip("no sha256sum here")
+    for name in names[1::2]:
+        r = subprocess.run(["sha256sum", "--strict", "-c", name], cwd=folder, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == f"{name[:-len('.sha256')]}: OK\n", r.stdout + r.stderr
+
+
+def test_flipped_bytes_in_the_weights_are_caught_by_eval_export_and_resume(kill_setup, tmp_path, capsys):  # noqa: F811
+    """One byte flipped in the middle of a weight of the latest checkpoint (step 66): eval of that file
+    exits 1 naming it (it scored the damaged weights); eval and export of the run folder use step 65, as
+    eval and export of step 65's file do; --resume continues from step 65 to the uninterrupted run's files,
+    byte for byte."""
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    older, latest = _ckpt(out, 65), _ckpt(out, 66)
+    _flip_in_a_weight(latest)
+    code, _, err = _eval(capsys, config, latest)
+    assert code == 1, err
+    assert f"checkpoint {latest} is damaged: its SHA-256 is" in err, err
+    code, from_folder, err = _eval(capsys, config, out)
+    assert code == 0, err
+    assert f"checkpoint {latest} is damaged" in err and f"using the checkpoint before it, {older}" in err, err
+    assert from_folder == _eval(capsys, config, older)[1]
+    assert main(["export", config, "--checkpoint", out, "-o", str(tmp_path / "a.onnx")]) == 0
+    assert main(["export", config, "--checkpoint", older, "-o", str(tmp_path / "b.onnx")]) == 0
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"onnxtrain: warning: checkpoint {latest} is damaged"), line
+    assert line.endswith(f"resuming from the checkpoint before it, {older}"), line
+    got, expected = _files(out), _files(whole)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if name.startswith("checkpoints") or name == "model.onnx":
+            assert got[name] == expected[name], name
+    assert _without_speed(out) == _without_speed(whole)
+
+
+def test_a_damaged_sums_file_and_every_checkpoint_damaged(kill_setup, tmp_path, capsys):  # noqa: F811
+    """A sums file that is not sha256sum's format makes its checkpoint count as damaged (it cannot be
+    checked); with every checkpoint damaged, --resume and eval of the folder exit 1 naming the latest."""
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    older, latest = _ckpt(out, 65), _ckpt(out, 66)
+    with open(latest + ".sha256", "w") as f:
+        f.write("not a sum\n")
+    _flip_in_a_weight(older)
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert f"its checksum file {latest}.sha256 is damaged" in err, err
+    assert "no checkpoint in" in err and "to resume from is whole" in err, err
+    code, _, err = _eval(capsys, config, out)
+    assert code == 1 and f"checkpoint {older} is damaged" in err, err
+
+
+def test_checkpoints_without_sums_still_load_and_resume(kill_setup, tmp_path, capsys):  # noqa: F811
+    """A run folder written before the sums (none beside its checkpoints): eval reads its latest and
+    --resume goes on from it (step 66 removed: it trains step 66 again) to the uninterrupted run's
+    checkpoint, which gets its sums."""
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    for name in os.listdir(os.path.join(out, "checkpoints")):
+        if name.endswith(".sha256"):
+            os.unlink(os.path.join(out, "checkpoints", name))
+    code, metrics, err = _eval(capsys, config, out)
+    assert code == 0 and metrics == _eval(capsys, config, _ckpt(whole, 66))[1], err
+    os.unlink(_ckpt(out, 66))
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q", "--resume"]) == 0
+    assert capsys.readouterr().err == ""
+    for name in ("step_00000066.ckpt", "step_00000066.ckpt.sha256"):
+        with open(os.path.join(out, "checkpoints", name), "rb") as a, \
+                open(os.path.join(whole, "checkpoints", name), "rb") as b:
+            assert a.read() == b.read(), name
