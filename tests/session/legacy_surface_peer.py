@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tests.session import legacy_surface_probes as probes
 
 WEIGHTS = ["z_w1", "a_b1", "m_w2", "scale"]  # graph order; sorted order differs
+BN_STATS = ["bn_mean", "bn_var"]  # batchnorm.onnx's running statistics
 FEEDS = {"x": ["float32", [2, 4]], "t": ["float32", [2, 12]]}
 
 
@@ -90,6 +91,21 @@ def _all_initializers_as_inputs(ir: int) -> onnx.ModelProto:
     return m
 
 
+def _batchnorm() -> onnx.ModelProto:
+    """:func:`_mlp` with a BatchNormalization (scale, bias, running mean and variance: 10 each) after the
+    Relu."""
+    m = _mlp()
+    g = m.graph
+    relu = next(i for i, n in enumerate(g.node) if n.op_type == "Relu")
+    g.node[relu + 1].input[0] = "hb"
+    g.node.insert(relu + 1, helper.make_node("BatchNormalization", ["h", "bn_s", "bn_b", "bn_mean", "bn_var"],
+                                             ["hb"], epsilon=1e-5, momentum=0.9))
+    for name, v in (("bn_s", 1.0), ("bn_b", 0.0), ("bn_mean", 0.0), ("bn_var", 1.0)):
+        g.initializer.append(numpy_helper.from_array(np.full(10, v, np.float32), name))
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
 def _small_bias() -> onnx.ModelProto:
     """:func:`_mlp` whose first bias has 3 values (z_w1 4 x 3, m_w2 3 x 12): 1.16.3's ConstantSharing prey."""
     m = _mlp()
@@ -108,6 +124,7 @@ def write_models(folder: str) -> None:
     onnx.save(_dropout(ratio=False), os.path.join(folder, "dropout_default_ratio.onnx"))
     onnx.save(_dropout(training_mode=True), os.path.join(folder, "dropout_training_mode.onnx"))
     onnx.save(_small_bias(), os.path.join(folder, "small_bias.onnx"))
+    onnx.save(_batchnorm(), os.path.join(folder, "batchnorm.onnx"))
     for ir in (3, 4):
         onnx.save(_all_initializers_as_inputs(ir), os.path.join(folder, f"inputs_ir{ir}.onnx"))
     onnx.save(_mlp(overridable=True), os.path.join(folder, "mlp2_overridable.onnx"))
@@ -139,7 +156,8 @@ RUNS: list[dict[str, Any]] = [
     {"outputs": ["loss"], "as": {"x": ["float32", [3, 4]]}},  # x and t fed other sizes of dim "batch"
     {"outputs": ["loss"], "as": {"Learning_Rate": ["float64", [1]]}},
     {"outputs": ["loss"], "as": {"Learning_Rate": ["float32", [2]]}},
-    {"outputs": ["nope"]}, {"outputs": ["loss", "loss"]},
+    {"outputs": ["nope"]}, {"outputs": ["loss", "loss"]}, {"outputs": ["z_w1_grad"]}, {"outputs": ["x"]},
+    {"outputs": ["h"]}, {"outputs": ["loss"], "extra": {"z_w1": ["float32", [4, 10]]}},
     {"outputs": ["loss"], "run_options": {"only_execute_path_to_fetches": True}},
     {"outputs": ["y"], "run_options": {"only_execute_path_to_fetches": True}},
     {"outputs": ["loss", "y"], "run_options": {"training_mode": False}},
@@ -210,6 +228,11 @@ def cases() -> list[dict[str, Any]]:
             runs=[{"outputs": ["y"]}, {"outputs": ["y"], "extra": {"scale": ["float32", [12]]}}])
     add("initializers_as_inputs_ir4_adam", _params("AdamOptimizer"), model="inputs_ir4.onnx",
         runs=[{"outputs": ["loss"], "extra": {"scale": ["float32", [12]]}}, {"outputs": ["loss"]}])
+    bn_maps = {w: {} for w in [*WEIGHTS, "bn_s", "bn_b"]}
+    add("batchnorm", _params("AdamOptimizer", optimizer_attributes_map=bn_maps,
+                             optimizer_int_attributes_map=bn_maps), model="batchnorm.onnx",
+        runs=[{"outputs": None}, {"outputs": ["y"], "run_options": {"only_execute_path_to_fetches": True}}],
+        loads=[["plus_one", True]], **DUMPED)
     add("providers_unknown", _params("SGDOptimizer"), providers=["FooExecutionProvider"])
     add("small_bias_weights_found", _params("SGDOptimizer"), model="small_bias.onnx")
     add("small_bias_weights_named", _params("SGDOptimizer", weights_to_train=WEIGHTS),
