@@ -233,6 +233,9 @@ def cases() -> list[dict[str, Any]]:
                              optimizer_int_attributes_map=bn_maps), model="batchnorm.onnx",
         runs=[{"outputs": None}, {"outputs": ["y"], "run_options": {"only_execute_path_to_fetches": True}}],
         loads=[["plus_one", True]], **DUMPED)
+    add("parameters_none", _params("SGDOptimizer"), parameters_as="none")
+    add("parameters_dict", _params("SGDOptimizer"), parameters_as="dict")
+    add("sess_options_a_list", _params("SGDOptimizer"), sess_options="providers")
     add("providers_unknown", _params("SGDOptimizer"), providers=["FooExecutionProvider"])
     add("small_bias_weights_found", _params("SGDOptimizer"), model="small_bias.onnx")
     add("small_bias_weights_named", _params("SGDOptimizer", weights_to_train=WEIGHTS),

@@ -263,8 +263,11 @@ def session_probe(ort: Any, case: dict[str, Any], models: str, out_dir: str) -> 
     model = case["model"] if os.path.isabs(case["model"]) else os.path.join(models, case["model"])
     try:
         p = make_parameters(ort, params, case.get("initial_state"))
+        p = {"none": None, "dict": dict(params)}.get(case.get("parameters_as"), p)
         options = None
-        if "sess_options" in case:
+        if case.get("sess_options") == "providers":  # a providers list given in sess_options' place
+            options = ["CPUExecutionProvider"]
+        elif "sess_options" in case:
             options = ort.SessionOptions()
             for k, v in case["sess_options"].items():
                 setattr(options, k, v)
