@@ -15,6 +15,15 @@ Every peer trains with AdamW, lr 1e-3, weight decay 0.01, eps 1e-8, no clipping 
 onnxtrain's peers in the Hugging Face form that ``generate_artifacts`` writes, torch eager in torch's: see
 bench/worker.py). A peer that cannot start is skipped with its error.
 
+Optional peers, named with ``--peers``: ``ortleg``, onnxruntime-training 1.16.3's legacy ``TrainingSession``
+(the last release with it; its venv at ``$ORT_LEGACY_PYTHON``, default /tmp/ortleg/bin/python, which
+tests/ortt.py's ``ensure_ort_legacy`` makes), training the legacy model with the parameters of onnxtrain's
+legacy session under the session options that make its CPU build train correctly (bench/worker.py's
+``ORT_LEGACY_FIXES``); ``ortleg-default``, the same with 1.16.3's default options, under which it trains the
+wrong weights (prepacked Gemm weights never updated): what those options cost it. With ``ortleg`` measured,
+the notes give every peer's round-by-round ratio to it; a peer that trains wrong is left out of the first
+losses' agreement.
+
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
 for each peer, the middle half of its round-by-round ratios to onnxruntime-training (the two ran in the same
@@ -73,6 +82,7 @@ from bench.worker import ORT_SPIN_ENV  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
 ORTT_PYTHON = os.environ.get("ORTT_PYTHON", "/tmp/ortt/bin/python")
+ORT_LEGACY_PYTHON = os.environ.get("ORT_LEGACY_PYTHON", "/tmp/ortleg/bin/python")
 NATIVE_BLAS = "native"
 MiB = 1 << 20
 LABELS = {
@@ -80,7 +90,19 @@ LABELS = {
     "api": "onnxtrain Module+Optimizer",
     "ort": "onnxruntime-training 1.19.2",
     "torch": "torch eager",
+    "ortleg": "onnxruntime-training 1.16.3 TrainingSession",
+    "ortleg-default": "onnxruntime-training 1.16.3 TrainingSession, default options (trains wrong)",
 }
+ORT_KINDS = ("ort", "ortleg", "ortleg-default")  # onnxruntime peers: their own venvs, no OpenBLAS setting
+WRONG_TRAINING = ("ortleg-default",)  # measured for their speed only: their losses part from the others'
+# how to make a missing venv of an onnxruntime peer
+VENVS = {
+    "ort": (ORTT_PYTHON, "python -m venv /tmp/ortt && /tmp/ortt/bin/pip install onnxruntime-training==1.19.2 "
+            "'numpy<2' onnx"),
+    "ortleg": (ORT_LEGACY_PYTHON, "python -m venv /tmp/ortleg && /tmp/ortleg/bin/pip install "
+               "onnxruntime-training==1.16.3 'numpy<2' 'onnx<1.16' 'protobuf<4'"),
+}
+VENVS["ortleg-default"] = VENVS["ortleg"]
 
 
 @dataclass
@@ -133,15 +155,12 @@ class Peer:
 
 def start(peer: Peer, folder: str) -> None:
     env = dict(os.environ)
-    if peer.kind == "ort":
-        python = ORTT_PYTHON
+    if peer.kind in ORT_KINDS:
+        python, make = VENVS[peer.kind]
         for k in ("PYTHONPATH", "PYTHONHOME"):
             env.pop(k, None)
         if not os.path.exists(python):
-            peer.error = (
-                f"no onnxruntime-training environment at {python} (create it: python -m venv /tmp/ortt "
-                "&& /tmp/ortt/bin/pip install onnxruntime-training==1.19.2 'numpy<2' onnx)"
-            )
+            peer.error = f"no onnxruntime-training environment at {python} (create it: {make})"
             return
     else:
         python = sys.executable
@@ -375,7 +394,7 @@ def run_case(
         if ort is not None:
             r.vs_ort = r.samples_s / ort.samples_s
         torch_same = next(
-            (t for t in rows if t.kind == "torch" and (t.blas == r.blas or r.kind == "ort")), None
+            (t for t in rows if t.kind == "torch" and (t.blas == r.blas or r.kind in ORT_KINDS)), None
         )
         if torch_same is not None:
             r.vs_torch = r.samples_s / torch_same.samples_s
@@ -388,6 +407,9 @@ def run_case(
     if spreads:
         head = f"{case.title}: × ORT-T round by round, the middle half of the rounds: "
         notes.append(head + "; ".join(spreads))
+    legacy_ort = next((p for p in peers if p.kind == "ortleg" and p.samples), None)
+    if legacy_ort is not None:
+        notes.append(versus_note(case.title, legacy_ort, peers))
     notes += steal_notes(case.title, [p for p in peers if p.samples], ort_peer)
     measured = [p for p in peers if p.samples]
     if round_peaks and measured:
@@ -401,11 +423,12 @@ def run_case(
     updates = update_split(peers)
     if updates:
         notes.append(f"{case.title}: {updates}")
-    firsts = [p.stats.get("first_losses", []) for p in peers if p.samples]
+    firsts = [p.stats.get("first_losses", []) for p in peers if p.samples and p.kind not in WRONG_TRAINING]
     spread = max((abs(a - b) for f in firsts for g in firsts for a, b in zip(f, g)), default=0.0)
+    wrong = [p.name for p in peers if p.samples and p.kind in WRONG_TRAINING]
     notes.append(
         f"{case.title}: {flops / 1e9:.3f} GFLOP per step; losses of the first 3 steps agree within "
-        f"{spread:.1e} across peers ("
+        f"{spread:.1e} across peers" + (f", leaving out {', '.join(wrong)}" if wrong else "") + " ("
         + "; ".join(
             f"{p.name}: " + ", ".join(f"{v:.5f}" for v in p.stats.get("first_losses", []))
             for p in peers
@@ -414,6 +437,19 @@ def run_case(
         + ")"
     )
     return rows, notes
+
+
+def versus_note(title: str, reference: Peer, peers: list[Peer]) -> str:
+    """Each other measured peer's round-by-round speed ratio to ``reference`` (its time over the peer's, > 1:
+    the peer is faster): the median and the middle half of the rounds."""
+    parts = []
+    for p in peers:
+        if p is reference or len(p.samples) != len(reference.samples) or not p.samples:
+            continue
+        lo, mid, hi = round_ratios(reference.samples, p.samples)
+        parts.append(f"{p.name}: {mid:.2f} ({lo:.2f}–{hi:.2f})")
+    return (f"{title}: × {reference.name} round by round (its step time / the peer's; median, middle half): "
+            + "; ".join(parts))
 
 
 def steal_notes(title: str, peers: list[Peer], ort_peer: Peer | None) -> list[str]:
@@ -583,8 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--peers: unknown peer(s) {unknown}; pick from {sorted(LABELS)}")
     wanted = []
     for k in kinds:
-        if k == "ort":
-            wanted.append(("ort", "", ""))
+        if k in ORT_KINDS:
+            wanted.append((k, "", ""))
         elif k == "torch":
             wanted += [(k, s, "") for s in dict.fromkeys(blas_settings)]
         else:
@@ -712,7 +748,11 @@ def write_results(
         "",
         "Training step = forward + backward + AdamW update, lr 1e-3, weight decay 0.01, eps 1e-8, "
         "no clipping (onnxruntime-training and onnxtrain: the Hugging Face form of `generate_artifacts`; "
-        "torch eager: torch's `AdamW`). "
+        "torch eager: torch's `AdamW`"
+        + ("; onnxruntime-training 1.16.3's `TrainingSession`: its `AdamOptimizer` with `weight_decay_mode` "
+           "1, the legacy session's parameters" if any(r.kind in ("ortleg", "ortleg-default") for r in rows)
+           else "")
+        + "). "
         "Each peer runs in its own process; figures are medians of interleaved rounds after warm-up. "
         "`× ORT-T`: samples/s relative to onnxruntime-training 1.19.2's on-device API; `× torch`: relative "
         "to "

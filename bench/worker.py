@@ -1,6 +1,6 @@
 """One peer of the training benchmark in its own process, driven over stdin/stdout by ``bench/run.py``.
 
-    python bench/worker.py PEER FOLDER          # PEER: legacy | api | torch | ort
+    python bench/worker.py PEER FOLDER          # PEER: legacy | api | torch | ort | ortleg | ortleg-default
 
 The worker loads the model files that ``bench/models.prepare`` wrote in FOLDER, builds its trainer
 (AdamW, lr 1e-3, betas 0.9 / 0.999, weight decay 0.01, eps 1e-8, bias correction, no clipping: the same
@@ -18,10 +18,18 @@ torch eager its own ``AdamW`` (eps added after the bias correction, the decay ap
 in value only where a gradient is below about eps / sqrt(1 - 0.999^t) (3e-7 at the first step) and make the
 same passes over the weights; tests/bench/test_peer_optimizers.py holds each peer to its form.
 
+The ``ortleg`` peer is onnxruntime-training 1.16.3's legacy ``TrainingSession`` (the last release with that
+binding), given the legacy model and the ``TrainingParameters`` of onnxtrain's legacy peer (its
+``AdamOptimizer`` with ``weight_decay_mode`` 1: the same Hugging Face form) and the session options under
+which its CPU build trains correctly (:data:`ORT_LEGACY_FIXES`); ``ortleg-default`` is the same session with
+1.16.3's default options, which trains the wrong weights, kept to price those options
+(tests/bench/test_ort_legacy_peer.py checks both against onnxtrain's legacy session and float64 AdamW).
+
 This file imports only the standard library, numpy and the peer's own package (onnxtrain, torch or
 onnxruntime-training), so each process's memory is its peer's; every peer also loads onnx (onnxtrain and
 onnxruntime-training's generator need it, the torch peer gets it with the models' module: about 7 MiB). The
-``ort`` peer runs in the onnxruntime-training virtual environment (numpy<2, no torch, no onnxtrain).
+``ort`` peer runs in the onnxruntime-training virtual environment (numpy<2, no torch, no onnxtrain), the
+``ortleg`` peers in 1.16.3's (numpy<2, onnx<1.16: models of IR 9 or lower).
 """
 
 from __future__ import annotations
@@ -232,7 +240,64 @@ def ort_peer(folder: str):
     return step, lambda: None
 
 
-PEERS = {"legacy": legacy_peer, "api": api_peer, "torch": torch_peer, "ort": ort_peer}
+# 1.16.3's CPU faults in training, which these session options avoid (tests/session/legacy_peer.py, whose
+# PEER_CONFIG they are, has the tests that show each): its Gemm packs a constant weight once when the session
+# is made, so every forward after the first update multiplies by the initial weights (prepacking off); its
+# default execution order may run a weight's in-place update before a backward node that still reads the
+# weight (the priority-based order runs the backward first); at its default optimization level its NCHWc
+# transform copies each Conv weight once into an initializer the optimizer never updates (the extended level
+# has no such copy).
+ORT_LEGACY_FIXES = {"session.disable_prepacking": "1", "execution_order": "PRIORITY_BASED",
+                    "graph_optimization_level": "ORT_ENABLE_EXTENDED"}
+
+
+def ort_legacy_peer(folder: str, fixes: bool = True):
+    """onnxruntime-training 1.16.3's ``TrainingSession`` on the legacy model, with the parameters of
+    :func:`legacy_peer` and, when ``fixes``, the session options of :data:`ORT_LEGACY_FIXES`."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    path = os.path.join(folder, "model_loss.onnx")
+    model = onnx.load(path)
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=13)
+    if opset > 19:
+        raise ValueError(f"{path}: imports opset {opset}; onnxruntime 1.16.3 and its onnx read up to 19")
+    model.ir_version = min(model.ir_version, 7 if opset <= 12 else 8 if opset <= 18 else 9)
+    names = _params(folder, "loss_model")
+    p = ort.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    p.enable_grad_norm_clip = False
+    p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": EPS} for n in names}
+    p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
+    so = ort.SessionOptions()
+    if fixes:
+        for key, value in ORT_LEGACY_FIXES.items():
+            if key == "execution_order":
+                so.execution_order = getattr(ort.ExecutionOrder, value)
+            elif key == "graph_optimization_level":
+                so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, value)
+            else:
+                so.add_session_config_entry(key, value)
+    _ort_spin(so)
+    sess = ort.TrainingSession(model.SerializeToString(), p, so, providers=["CPUExecutionProvider"])
+    trained = {n for n in sess.get_state() if n in names}
+    if trained != set(names):
+        raise RuntimeError(f"onnxruntime 1.16.3 trains {sorted(trained)}, not the model's parameters "
+                           f"{sorted(names)}")
+    x_name = sess.get_inputs()[0].name
+    lr = np.array([LR], np.float32)
+
+    def step(x, y):
+        return sess.run(["loss"], {x_name: x, "labels": y, "Learning_Rate": lr})[0]
+
+    step.weights = lambda: {n.removeprefix("model."): v for n, v in sess.get_state().items() if n in names}
+    return step, lambda: None
+
+
+PEERS = {"legacy": legacy_peer, "api": api_peer, "torch": torch_peer, "ort": ort_peer,
+         "ortleg": ort_legacy_peer, "ortleg-default": lambda folder: ort_legacy_peer(folder, fixes=False)}
 # packages whose versions move a peer's figures (ml_dtypes, which onnx imports: 0.7.0 holds 5 MiB more
 # than 0.5.4 in every process), reported when the peer has loaded them
 REPORTED = ("numpy", "onnx", "ml_dtypes", "onnxruntime", "torch")
