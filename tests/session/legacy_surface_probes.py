@@ -292,7 +292,7 @@ def session_probe(ort: Any, case: dict[str, Any], models: str, out_dir: str) -> 
     res["overridable"] = attempt(lambda: args_meta(session.get_overridable_initializers()))
     res["providers"] = attempt(session.get_providers)
     res["provider_options"] = attempt(session.get_provider_options)
-    res["session_options"] = attempt(lambda: type(session.get_session_options()).__name__)
+    res["session_options"] = attempt(lambda: _options(session.get_session_options()))
     res["modelmeta"] = attempt(lambda: _meta(session.get_modelmeta()))
     native = getattr(session, "_sess", None)  # 1.16.3's wrapper leaves these unset: the binding's own
     if native is not None and not isinstance(native, (str, bytes)):
@@ -300,7 +300,7 @@ def session_probe(ort: Any, case: dict[str, Any], models: str, out_dir: str) -> 
             "overridable": attempt(lambda: args_meta(native.overridable_initializers)),
             "providers": attempt(native.get_providers),
             "modelmeta": attempt(lambda: _meta(native.model_meta)),
-            "session_options": attempt(lambda: type(native.session_options).__name__),
+            "session_options": attempt(lambda: _options(native.session_options)),
         }
     if case.get("probe_state", True):
         res["get_state"] = attempt(session.get_state)
@@ -315,6 +315,18 @@ def session_probe(ort: Any, case: dict[str, Any], models: str, out_dir: str) -> 
     res["loads"] = {f"{kind}/{strict}": load_once(session, kind, strict, weight)
                     for kind, strict in case.get("loads", [])}
     return res
+
+
+OPTIONS = ("log_severity_level", "log_verbosity_level", "logid", "graph_optimization_level", "execution_mode",
+           "execution_order", "intra_op_num_threads", "inter_op_num_threads", "enable_profiling",
+           "profile_file_prefix", "optimized_model_filepath", "enable_mem_pattern", "enable_mem_reuse",
+           "enable_cpu_mem_arena", "use_deterministic_compute")
+
+
+def _options(o: Any) -> dict[str, Any]:
+    """A SessionOptions' class name and its common attributes (enums by their str())."""
+    return {"class": type(o).__name__,
+            **{k: str(getattr(o, k)) if hasattr(o, k) else "missing" for k in OPTIONS}}
 
 
 def _meta(m: Any) -> dict[str, Any]:
