@@ -83,7 +83,10 @@ def _flag(v: Any) -> bool:
         return False
     if isinstance(v, (str, bytes)) or not hasattr(type(v), "__bool__"):
         raise TypeError(f"must be a bool, got {type(v).__name__}")
-    return bool(v)
+    try:
+        return bool(v)
+    except ValueError:  # (an array of several values)
+        raise TypeError(f"must be a bool, got {type(v).__name__} {v!r}") from None
 
 
 def _int(v: Any, bits: int = 32) -> int:
@@ -97,7 +100,7 @@ def _int(v: Any, bits: int = 32) -> int:
     except TypeError:
         try:
             f = float(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             f = float("nan")
         if not f.is_integer():
             raise TypeError(f"must be an int, got {type(v).__name__} {v!r}") from None
@@ -113,7 +116,7 @@ def _float32(v: Any) -> float:
         raise TypeError(f"must be a float, got {type(v).__name__} {v!r}")
     try:
         f = float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise TypeError(f"must be a float, got {type(v).__name__} {v!r}") from None
     with np.errstate(over="ignore"):
         return float(np.float32(f))
