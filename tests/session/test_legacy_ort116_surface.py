@@ -30,8 +30,7 @@ section):
 * 1.16.3's CPU build has no kernel for Lamb (``NotImplemented``), for gradient accumulation's
   MixedPrecisionScale (``NotImplemented`` with Adam; with SGD its graph fails type inference, ``Fail``), nor
   for mixed precision's optimizer inputs (``InvalidGraph`` for Adam, ``Fail`` for SGD); it writes the dump
-  files before it fails, so those sessions' inputs and outputs
-  are compared with the training graph it wrote.
+  files before it fails, so those sessions' inputs and outputs are compared with the graphs it wrote.
 * Without an optimizer, 1.16.3's ``get_state()`` and ``get_model_state()`` fail ("Failed to get initializer
   with name: W"); onnxtrain returns the weights.
 * 1.16.3's ConstantSharing renames a weight of 8 values or fewer (``ortshared_1_1_3_0_token_0`` for a bias
@@ -41,13 +40,14 @@ section):
   process then aborts at exit; one whose ratio is an empty input name aborts the build; feeding
   ``training_mode`` to a model without one (or IO binding with ``RunOptions.training_mode = False``)
   aborts the run (SIGABRT). None of these is in the cases (one process runs them all); onnxtrain builds
-  them and refuses the unknown ``training_mode`` feed (InvalidArgument).
+  the first and refuses the unknown ``training_mode`` feed (InvalidArgument), checked by hand.
 * ``gradient_accumulation_steps`` > 1 without an optimizer crashes 1.16.3's allocation planner
   (``RuntimeException``: "invalid value index: -1"); onnxtrain refuses it by name (a ``Fail``, a
   ValueError). A ``loss_output_name`` that is a graph input (no node computes it, no weight reaches it) is
   taken by 1.16.3 and refused by onnxtrain, naming it.
 * The order of the ``<w>_grad`` outputs (``set_gradients_as_graph_outputs``) follows a C++ unordered_set in
-  1.16.3: for the same four names it differs between a session with SGD and one without optimizer. onnxtrain
+  1.16.3: for the same six weights of a MatMul chain it differed between a session with SGD and one without
+  optimizer (checked by hand). onnxtrain
   sorts them by name; they are compared as a set, and the other outputs in order.
 * ``get_state()`` holds a BatchNormalization's running statistics (its initializers, which a training run
   writes back): a state saved and loaded keeps them. 1.16.3's leaves them out (its training runs update
