@@ -1,7 +1,8 @@
 """The training loop behind ``onnxtrain train``: progress, metrics, eval, checkpoints, resume, plot, export.
 
 The output folder holds ``metrics.jsonl`` (one JSON object per logged step and per eval),
-``checkpoints/step_<N>.ckpt`` (written atomically), ``metrics.png``, ``model.onnx`` (a plain
+``checkpoints/step_<N>.ckpt`` (written atomically, with its SHA-256 sums in ``step_<N>.ckpt.sha256``:
+see :mod:`onnxtrain.train.checksums`), ``metrics.png``, ``model.onnx`` (a plain
 inference model of the trained weights) and ``config.yaml`` (the resolved configuration).
 
 Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL) set a flag that the
@@ -835,7 +836,7 @@ _UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError)
 
 def _run_property(path: str, name: str, read: Callable[[], _T]) -> _T:
     """``read()`` of the run property ``name`` of the checkpoint at ``path``; a ValueError naming the file
-    and the property when its text is damaged (the file format has no checksum to tell)."""
+    and the property when its text is damaged (one saved without SHA-256 sums, which would have told)."""
     try:
         return read()
     except _UNREADABLE as e:
