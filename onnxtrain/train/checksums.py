@@ -56,11 +56,12 @@ class _Hashing:
         self.files.remove_after(path)
 
 
-def save_with_checksum(ckpt: Checkpoint, path: str) -> None:
-    """``save_checkpoint(ckpt, path)`` with ``path.sha256`` beside it, all renamed in one commit."""
+def save_with_checksum(ckpt: Checkpoint, path: str, external_threshold: int = 1800 * 2**20) -> None:
+    """``save_checkpoint(ckpt, path, external_threshold)`` with ``path.sha256`` beside it, all renamed in
+    one commit."""
     with StagedFiles() as files:
         hashing = _Hashing(files)
-        stage_checkpoint(hashing, ckpt, path)  # type: ignore[arg-type]
+        stage_checkpoint(hashing, ckpt, path, external_threshold)  # type: ignore[arg-type]
         text = "".join(f"{digest}  {name}\n" for name, digest in sorted(hashing.sums))
         files.write(sums_path(path), lambda f: f.write(text.encode()))
 

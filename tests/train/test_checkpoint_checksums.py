@@ -6,6 +6,7 @@ without sums still load."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -134,3 +135,30 @@ def test_checkpoints_without_sums_still_load_and_resume(kill_setup, tmp_path, ca
         with open(os.path.join(out, "checkpoints", name), "rb") as a, \
                 open(os.path.join(whole, "checkpoints", name), "rb") as b:
             assert a.read() == b.read(), name
+
+
+def test_the_sums_cover_a_checkpoints_external_data(tmp_path):
+    """A checkpoint whose tensors went to ``.data`` (large models): the sums name both files (checked by
+    hashlib over the files as written), and a byte flipped in the middle of ``.data``'s weights is found,
+    naming that file, where the checkpoint itself still loads."""
+    from onnxtrain.checkpoint import Checkpoint
+    from onnxtrain.train.checksums import checksum_problem, save_with_checksum
+
+    w = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+    path = str(tmp_path / "step_00000001.ckpt")
+    save_with_checksum(Checkpoint(trainable={"w": w}, frozen={"b": np.ones(3, np.float32)}), path,
+                       external_threshold=0)
+    sums = {}
+    for name in ("step_00000001.ckpt", "step_00000001.ckpt.data"):
+        with open(tmp_path / name, "rb") as f:
+            sums[name] = hashlib.sha256(f.read()).hexdigest()
+    assert (tmp_path / "step_00000001.ckpt.sha256").read_text() == "".join(
+        f"{d}  {n}\n" for n, d in sorted(sums.items()))
+    assert checksum_problem(path) is None
+    data = bytearray((tmp_path / "step_00000001.ckpt.data").read_bytes())
+    at = data.find(w.tobytes()) + w.nbytes // 2
+    data[at] ^= 0x01
+    (tmp_path / "step_00000001.ckpt.data").write_bytes(bytes(data))
+    assert not np.array_equal(load_checkpoint(path).trainable["w"], w)  # loads, damaged
+    problem = checksum_problem(path)
+    assert problem is not None and problem.startswith(f"checkpoint {path}.data is damaged"), problem
