@@ -19,10 +19,10 @@ Optional peers, named with ``--peers``: ``ortleg``, onnxruntime-training 1.16.3'
 (the last release with it; its venv at ``$ORT_LEGACY_PYTHON``, default /tmp/ortleg/bin/python, which
 tests/ortt.py's ``ensure_ort_legacy`` makes), training the legacy model with the parameters of onnxtrain's
 legacy session under the session options that make its CPU build train correctly (bench/worker.py's
-``ORT_LEGACY_FIXES``); ``ortleg-default``, the same with 1.16.3's default options, under which it trains the
-wrong weights (prepacked Gemm weights never updated): what those options cost it. With ``ortleg`` measured,
-the notes give every peer's round-by-round ratio to it; a peer that trains wrong is left out of the first
-losses' agreement.
+``ORT_LEGACY_FIXES``; LeNet it refuses, see there); ``ortleg-default``, the same with 1.16.3's default
+options, under which it trains the wrong weights (prepacked Gemm weights never updated): what those options
+cost it. With ``ortleg`` measured, the notes give every peer's round-by-round ratio to it; a peer that trains
+wrong is left out of the first losses' agreement.
 
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
