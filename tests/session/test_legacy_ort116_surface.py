@@ -50,8 +50,8 @@ section):
   optimizer (checked by hand). onnxtrain
   sorts them by name; they are compared as a set, and the other outputs in order.
 * ``get_state()`` holds a BatchNormalization's running statistics (its initializers, which a training run
-  writes back): a state saved and loaded keeps them. 1.16.3's leaves them out (its training runs update
-  them inside the session, out of reach of get_state and load_state). The other entries are the same.
+  writes back): a state saved and loaded keeps them. 1.16.3's leaves them out (out of reach of get_state
+  and load_state). The other entries are the same.
 * ``load_state`` of an array of the right size in another shape (a flattened weight) is taken by 1.16.3,
   which checks element counts only (spec D13); onnxtrain refuses it (a ``Fail`` and a ValueError).
 * onnxtrain's own leniencies: ``optimizer_attributes_map`` / ``optimizer_int_attributes_map`` may be left
