@@ -185,7 +185,8 @@ def cases() -> list[dict[str, Any]]:
         c.append({"name": name, "model": kw.pop("model", "mlp2.onnx"), "params": params, "feeds": FEEDS,
                   "load_weight": "z_w1", **kw})
 
-    add("sgd", _params("SGDOptimizer"), runs=RUNS, loads=LOADS, **DUMPED)
+    strict_as = [["unknown_key", "yes"], ["unknown_key", None], ["unknown_key", 2]]  # load_state's strict
+    add("sgd", _params("SGDOptimizer"), runs=RUNS, loads=LOADS + strict_as, **DUMPED)
     add("adam", _params("AdamOptimizer"), runs=RUNS[:5] + RUNS[-2:], loads=LOADS, **DUMPED)
     add("adam_noclip", _params("AdamOptimizer", enable_grad_norm_clip=False),
         runs=[{"outputs": None}, {"outputs": ["global_gradient_norm"]}])
