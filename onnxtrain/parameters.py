@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -262,7 +262,8 @@ class TrainingParameters:
         if isinstance(default, set):
             # onnxruntime 1.16.3's binding took a set or frozenset; onnxtrain also takes a list or tuple (a
             # YAML config's training.parameters has no sets), not a dict or a string
-            if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+            # (a one-pass iterator is refused as the binding refused it: checking it would consume it)
+            if isinstance(value, (str, bytes, dict, Iterator)) or not hasattr(value, "__iter__"):
                 raise TypeError(
                     f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}"
                 )
@@ -297,7 +298,8 @@ class TrainingParameters:
             value = _check_map(name, value)
         elif isinstance(default, list):
             # a sequence (a list or tuple, read back as a list), not a set, as the binding's list
-            if isinstance(value, (str, bytes, set, frozenset, dict)) or not hasattr(value, "__iter__"):
+            if (isinstance(value, (str, bytes, set, frozenset, dict, Iterator))
+                    or not hasattr(value, "__iter__")):
                 raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
             if all(isinstance(v, (str, bytes)) for v in value):
                 value = [_name(v) for v in value]
