@@ -322,7 +322,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                         f"{label} has no entry for trained weight {w!r} (give every trained weight "
                         "an entry, possibly {})"
                     )
-        opt.warn_unknown_attrs(self._graphs.trainable, fmap, imap)
+        opt.check_attrs(self._graphs.trainable, fmap, imap)
         clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
         if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
             warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "

@@ -353,7 +353,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                         f"{label} has no entry for trained weight {w!r} (give every trained weight an entry, "
                         "possibly {})"
                     )
-        opt.warn_unknown_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
+        opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
 
     def _trained(self) -> list[str]:
         """The trained weights this rank holds (by the names it holds them under)."""

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxtrain.errors import InvalidGraph
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.ir.builder import half_widened as compute_type  # (the type a weight's update computes in)
 from onnxtrain.user_warning import warn
@@ -107,23 +108,28 @@ class Optimizer:
             value = w.one("Max", value, w.const(tiny, elem_type))
         return w.emit("Cast", [value], [out], to=to)[0]
 
-    def warn_unknown_attrs(self, weights: Iterable[str], floats: Mapping[str, Mapping[str, Any]],
-                           ints: Mapping[str, Mapping[str, Any]]) -> None:
-        """One warning per map naming the attributes of ``weights``' entries that this optimizer does not
-        read: onnxruntime's optimizer builders looked up the names they knew and ignored the others (a
-        script may share one attribute function between optimizers)."""
+    def check_attrs(self, weights: Iterable[str], floats: Mapping[str, Mapping[str, Any]],
+                    ints: Mapping[str, Mapping[str, Any]]) -> None:
+        """Refuse an attribute this optimizer reads that is given in the map of the other type (onnxruntime
+        set it on its optimizer node, which then failed the schema's type check); warn once per map about
+        names it does not read at all (onnxruntime's builders ignored those: a script may share one
+        attribute function between optimizers)."""
         maps = (("optimizer_attributes_map", floats, self.FLOAT_ATTRS),
                 ("optimizer_int_attributes_map", ints, self.INT_ATTRS))
         for (label, m, known), (other_label, _, other) in zip(maps, maps[::-1]):
+            for w in weights:
+                misplaced = sorted(k for k in m.get(w, {}) if k not in known and k in other)
+                if misplaced:
+                    kind = "an int" if other is self.INT_ATTRS else "a float"
+                    raise InvalidGraph(
+                        f"{label}: {misplaced[0]!r} of weight {w!r} is {kind} attribute of {self.name}: "
+                        f"give it in {other_label} (mismatched attribute type, as onnxruntime refuses it)")
             where = [w for w in weights if any(k not in known for k in m.get(w, {}))]
             if where:
                 keys = sorted({k for w in where for k in m[w] if k not in known})
-                misplaced = [k for k in keys if k in other]
-                hint = (f" ({', '.join(map(repr, misplaced))} {'is' if len(misplaced) == 1 else 'are'} read "
-                        f"from {other_label})") if misplaced else ""
                 warn(f"{label}: {self.name} does not read {', '.join(map(repr, keys))} from this map (given "
                      f"for {len(where)} weight(s), e.g. {where[0]!r}); ignored, as onnxruntime's optimizer "
-                     f"builders ignored them; {self.name} reads {sorted(known) or 'none'} here{hint}")
+                     f"builders ignored them; {self.name} reads {sorted(known) or 'none'} here")
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []

@@ -256,6 +256,13 @@ def cases() -> list[dict[str, Any]]:
     add("map_missing_a_weight", _params("SGDOptimizer", optimizer_attributes_map={"z_w1": {}},
                                         optimizer_int_attributes_map={w: {} for w in WEIGHTS}))
     add("int_map_missing_a_weight", _params("SGDOptimizer", optimizer_int_attributes_map={"z_w1": {}}))
+    # an attribute in the map of the other type: refused where the optimizer reads it, else ignored
+    for opt, fmap, imap in (("AdamOptimizer", {"do_bias_correction": 1.0}, {}),
+                            ("AdamOptimizer", {}, {"alpha": 1}),
+                            ("SGDOptimizer", {"do_bias_correction": 1.0}, {"alpha": 1})):
+        add(f"{opt[:-9].lower()}_attribute_in_the_other_map{'_int' if imap else ''}",
+            _params(opt, optimizer_attributes_map={w: dict(fmap) for w in WEIGHTS},
+                    optimizer_int_attributes_map={w: dict(imap) for w in WEIGHTS}))
     add("train_unknown_name", _params("SGDOptimizer", weights_to_train=["z_w1", "no_such"]))
     add("train_an_input", _params("SGDOptimizer", weights_to_train=["z_w1", "x"]))
     add("train_an_activation", _params("SGDOptimizer", weights_to_train=["z_w1", "h"]))
