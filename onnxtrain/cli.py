@@ -216,12 +216,13 @@ def _config_inputs(cfg) -> list[tuple[str, str | None]]:
             *((f"data.feeds.{k}", v) for k, v in getattr(d, "feeds", {}).items() if v.endswith(".npy"))]
 
 
-def _checkpoint_arg(path: str) -> str:
-    """The checkpoint file --checkpoint names (a file, or a run folder's latest); UsageError if none."""
-    from onnxtrain.train import find_checkpoint
+def _checkpoint_arg(path: str) -> list[str]:
+    """The checkpoint files --checkpoint names, latest first (a file, or a run folder's checkpoints: a
+    damaged latest gives way to the one before); UsageError if none."""
+    from onnxtrain.train.outputs import checkpoint_candidates
 
     try:
-        return find_checkpoint(path)
+        return checkpoint_candidates(path)
     except FileNotFoundError as e:
         raise UsageError(f"--checkpoint: {e}") from None
 
@@ -412,9 +413,12 @@ def _export(a: argparse.Namespace) -> int:
 
     _check_output_file(a.output)
     cfg = _config(a)
-    ckpt = _checkpoint_arg(a.checkpoint)
-    _refuse_overwriting_inputs([a.output], [*_config_inputs(cfg), ("the checkpoint --checkpoint names", ckpt),
-                                            ("the checkpoint's data file", ckpt + ".data")])
+    latest, *older = _checkpoint_arg(a.checkpoint)  # (a run folder's latest whole one is read)
+    _refuse_overwriting_inputs([a.output], [
+        *_config_inputs(cfg), ("the checkpoint --checkpoint names", latest),
+        ("the checkpoint's data file", latest + ".data"),
+        *((f"{what} of an older checkpoint of that run folder (read when the later ones are damaged)", f)
+          for c in older for what, f in (("the file", c), ("the data file", c + ".data")))])
     if cfg.model.path:
         _refuse_overwriting_inputs([a.output], _external_files(cfg.model.path))
     model, weights = load_for_inference(cfg, os.path.expanduser(a.checkpoint))

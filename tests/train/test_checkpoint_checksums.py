@@ -162,3 +162,25 @@ def test_the_sums_cover_a_checkpoints_external_data(tmp_path):
     assert not np.array_equal(load_checkpoint(path).trainable["w"], w)  # loads, damaged
     problem = checksum_problem(path)
     assert problem is not None and problem.startswith(f"checkpoint {path}.data is damaged"), problem
+
+
+def test_export_refuses_to_write_over_the_older_checkpoint_it_falls_back_to(kill_setup, tmp_path, capsys):  # noqa: F811
+    """export of a run folder whose latest is damaged reads the one before it: -o naming that one is
+    refused as -o naming the latest is (it was written over with the ONNX model, exit 0: the checkpoint
+    that --resume would have fallen back to was gone)."""
+    config, _, whole = kill_setup
+    out = str(tmp_path / "run")
+    shutil.copytree(whole, out)
+    older, latest = _ckpt(out, 65), _ckpt(out, 66)
+    _flip_in_a_weight(latest)
+    with open(older, "rb") as f:
+        before = f.read()
+    capsys.readouterr()
+    assert main(["export", config, "--checkpoint", out, "-o", older]) == 2
+    err = capsys.readouterr().err
+    assert f"-o/--output: {older} is the file of an older checkpoint of that run folder" in err, err
+    with open(older, "rb") as f:
+        assert f.read() == before
+    from onnxtrain.train.checksums import checksum_problem
+
+    assert checksum_problem(older) is None
