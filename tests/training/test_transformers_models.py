@@ -16,7 +16,9 @@ cannot write it (the causal masks of transformers 5 use ``aten::diff``), by dyna
    against the torch module in eval mode holding onnxtrain's trained weights (onnxruntime has no float64
    Erf or Conv: for those models its run is the float32 test's).
 3. ``onnx.checker.check_model(full_check=True)`` on the training, eval, optimizer and inference models.
-4. The float32 steps on onnxtrain's onnxruntime backend.
+4. The float32 steps on onnxtrain's onnxruntime backend; in float64, artifacts that recompute the layers
+   (two-layer models) and two batches' gradients accumulated by the Module before one step; a BERT with
+   dropout on trains to finite values and its eval model (dropout off) gives torch eval mode's outputs.
 
 Float64 makes the comparison tight (a weight within 1e-9 of its two-step update, measured up to 3e-13),
 which takes some care that both sides compute the same function:
@@ -154,13 +156,14 @@ def onnx_names(net: torch.nn.Module, model: onnx.ModelProto) -> dict[str, str]:
     return names
 
 
-def make_artifacts(model: onnx.ModelProto, net: torch.nn.Module, optimizer: str,
-                   folder: str) -> dict[str, str]:
+def make_artifacts(model: onnx.ModelProto, net: torch.nn.Module, optimizer: str, folder: str,
+                   recompute: dict | None = None) -> dict[str, str]:
     """The training artifacts of ``model`` in ``folder`` (the model's own loss, every torch parameter
     trained); each model passes the full check. The trained parameters' initializers by torch name."""
     names = onnx_names(net, model)
     artifacts.generate_artifacts(model, requires_grad=list(names.values()), loss=None,
-                                 optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=folder)
+                                 optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=folder,
+                                 recompute=recompute)
     for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
         onnx.checker.check_model(os.path.join(folder, f), full_check=True)
     return names
@@ -258,7 +261,7 @@ def check_inference(name: str, module: Module, net: torch.nn.Module, run: Run, f
 
 
 def run_case(name: str, folder: str, dtype: type = np.float64, backend: str = "numpy", inference: bool = True,
-             legacy: bool = False) -> None:
+             legacy: bool = False, recompute: dict | None = None) -> None:
     """Export, artifacts, two steps on both sides and the inference export for model ``name``."""
     case = hf.CASES[name]
     kept = hf.float64_kept if dtype == np.float64 else contextlib.nullcontext
@@ -266,7 +269,7 @@ def run_case(name: str, folder: str, dtype: type = np.float64, backend: str = "n
     data = hf.batches(name, dtype)
     with kept():
         model = export(name, net, data[0])
-    names = make_artifacts(model, net, case.optimizer, folder)
+    names = make_artifacts(model, net, case.optimizer, folder, recompute)
     start = {p: w.detach().numpy().copy() for p, w in net.named_parameters() if w.requires_grad}
     got, module = onnxtrain_steps(name, folder, names, data, case.optimizer, backend)
     with kept():
@@ -308,6 +311,44 @@ def test_two_steps_match_torch_float32(name, tmp_path):
 def test_two_steps_on_onnxruntime_backend(name, tmp_path):
     """The float32 steps with the onnxtrain.backend = onnxruntime session option."""
     run_case(name, str(tmp_path), dtype=np.float32, backend="onnxruntime", inference=False)
+
+
+@pytest.mark.parametrize("name", [extended(n, id=n) for n in ("albert", "gpt_neo")])
+def test_recomputed_layers_keep_the_steps(name, tmp_path):
+    """Artifacts that recompute the transformer layers and GELUs (two-layer models: the last layer is never
+    recomputed) give torch's float64 steps as the plain ones do."""
+    run_case(name, str(tmp_path), inference=False, recompute={"transformer_layer": True, "gelu": True})
+
+
+@pytest.mark.parametrize("name", [extended(n, id=n) for n in ("bert_mlm", "llama", "bart_cls", "whisper")])
+def test_accumulated_gradients_match_torch(name, tmp_path):
+    """Two batches' gradients accumulated by the Module (no lazy_reset_grad between them), then one SGD
+    step, give torch's step on the summed gradients in float64."""
+    case = hf.CASES[name]
+    net = hf.build(name, np.float64)
+    data = hf.batches(name, np.float64)
+    with hf.float64_kept():
+        model = export(name, net, data[0])
+    folder = str(tmp_path)
+    names = make_artifacts(model, net, "SGD", folder)
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    path = os.path.join(folder, "{}_model.onnx").format
+    module = Module(path("training"), state, path("eval"))
+    opt = Optimizer(path("optimizer"), module)
+    opt.set_learning_rate(LR["SGD"])
+    for feeds in data:
+        module(*(feeds[n] for n in module.input_names()))
+    opt.step()
+    values = {n: np.array(p.data) for n, p in state.parameters}
+    params = {p: w for p, w in net.named_parameters() if w.requires_grad}
+    start = {p: w.detach().numpy().copy() for p, w in params.items()}
+    with hf.float64_kept():
+        for feeds in data:
+            net(*(torch.from_numpy(feeds[n]) for n in case.inputs))[0].backward()
+    want = Run([1.0], {p: start[p] - LR["SGD"] * w.grad.numpy() for p, w in params.items()},
+               {p: float(w.grad.abs().max()) for p, w in params.items()})
+    got = Run([1.0], {p: values[n] for p, n in names.items()})  # (no losses compared)
+    compare(name, got, want, start, np.float64, "accumulated")
 
 
 def test_dropout_trains_and_eval_model_drops_it(tmp_path):
