@@ -8,7 +8,8 @@ inference model of the trained weights) and ``config.yaml`` (the resolved config
 Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL) set a flag that the
 loop checks between steps: it stops there and saves a checkpoint of that step (unless it has one), which
 ``--resume`` continues from; the CLI exits 128 + the signal's number (130, 143). A second signal raises
-KeyboardInterrupt (:class:`Terminated` for SIGTERM) at once, that save too (files are only ever replaced
+KeyboardInterrupt (:class:`Terminated` for SIGTERM; not a SIGTERM repeating the first within
+:data:`SIGTERM_REPEAT_S`, one request delivered twice) at once, that save too (files are only ever replaced
 atomically: the last complete checkpoint stays). Under ``mpiexec`` (which forwards SIGTERM and SIGINT to every
 rank) the ranks agree at each step's start whether any of them was signalled, so they stop after the same
 step however far apart the signals land, and no rank waits in a collective for one that left.
@@ -81,6 +82,10 @@ from onnxtrain.train.state import (
 _T = TypeVar("_T")
 EXIT_INTERRUPTED = 130
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a run between steps
+# A SIGTERM this soon after the first is the same stop request delivered twice, not a second one: a
+# cgroup-wide kill (systemd's KillMode=control-group, Slurm's signal to a job step's processes) signals each
+# rank directly and mpiexec, which forwards it to the ranks again (milliseconds apart)
+SIGTERM_REPEAT_S = 1.0
 ADASUM_RANKS = "adasum_ranks"  # checkpoint property: the number of ranks whose optimizer states it holds
 _ADASUM_TAG = 7301  # message tag of the ranks' optimizer states sent to rank 0
 
@@ -96,18 +101,24 @@ class Terminated(KeyboardInterrupt):
 
 class _Interrupts:
     """Turns the first SIGINT or SIGTERM into a flag (checked between steps; ``signum`` says which); the
-    second raises KeyboardInterrupt (SIGINT) or :class:`Terminated` (SIGTERM)."""
+    second raises KeyboardInterrupt (SIGINT) or :class:`Terminated` (SIGTERM), but a SIGTERM repeating a
+    first SIGTERM within :data:`SIGTERM_REPEAT_S` (one request delivered twice) is passed over."""
 
     def __init__(self) -> None:
         self.hit = False
         self.signum = 0
+        self._at = 0.0
         self._prev: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
         if self.hit:
+            if signum == self.signum == signal.SIGTERM and now - self._at < SIGTERM_REPEAT_S:
+                return
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
         self.hit = True
         self.signum = signum
+        self._at = now
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():

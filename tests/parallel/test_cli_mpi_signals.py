@@ -6,6 +6,7 @@ run, byte for byte. Each job runs under a timeout: a hang fails the test instead
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -94,15 +95,42 @@ def _stopped_at(err: str) -> int:
     return int(lines[0].split("at step ")[1].split(";")[0])
 
 
+def _descendants(pid: int) -> list[int]:
+    """The pids of the processes below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
+
+
 def _signal(proc: subprocess.Popen, how: str) -> None:
     if how == "mpiexec":  # the scheduler's way: mpiexec forwards it to every rank
         proc.send_signal(signal.SIGTERM)
+        return
+    if how == "every process":  # a cgroup-wide kill (systemd, Slurm): each rank gets it twice, from mpiexec
+        ranks = _ranks(proc.pid)  # and directly (spaced so that a rank's Python sees two, not one signal)
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            if pid not in ranks.values():
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.02)
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):  # (one that has stopped and ended)
+                os.kill(pid, signal.SIGTERM)
         return
     ranks = _ranks(proc.pid)
     assert sorted(ranks) == [0, 1], ranks
     os.kill(ranks[1], signal.SIGTERM)
     if how == "rank 1, then rank 0":  # some steps apart
-        time.sleep(0.15)
+        time.sleep(0.02)
         os.kill(ranks[0], signal.SIGTERM)
 
 
@@ -139,11 +167,14 @@ def test_sigterm_to_mpiexec_saves_where_every_rank_stops_and_resumes_bit_for_bit
         assert _read(os.path.join(out, name)) == _read(os.path.join(uninterrupted, name)), name
 
 
-@pytest.mark.parametrize("how", ["rank 1", extended("rank 1, then rank 0", id="rank 1, then rank 0")])
+@pytest.mark.parametrize("how", ["rank 1", extended("rank 1, then rank 0", id="rank 1, then rank 0"),
+                                 "every process"])
 def test_sigterm_to_some_ranks_stops_them_all_after_one_step(tmp_path, how):
-    """SIGTERM to rank 1 alone, or to rank 1 and rank 0 some steps later: both ranks stop after the same
-    step, rank 0 writes its checkpoint, and the job exits 143 within a few seconds (a SIGTERM reaching rank
-    0 once it had stopped ended it by the default action: exit 15, mpiexec's "bad termination")."""
+    """SIGTERM to rank 1 alone, or to rank 1 and rank 0 some steps later, or to every process of the job at
+    once: both ranks stop after the same step, rank 0 writes its checkpoint, and the job exits 143 within a
+    few seconds (a SIGTERM reaching rank 0 once it had stopped ended it by the default action: exit 15,
+    mpiexec's "bad termination"; a cgroup-wide SIGTERM, which each rank gets directly and again from
+    mpiexec, was taken as a second one: the job aborted without its stop's checkpoint)."""
     out = str(tmp_path / "run")
     proc = _start(out)
     _wait_for(os.path.join(out, FIRST), proc)
@@ -158,10 +189,10 @@ def test_sigterm_to_some_ranks_stops_them_all_after_one_step(tmp_path, how):
 
 
 @pytest.mark.extended
-def test_a_second_sigterm_aborts_the_job_at_once(tmp_path):
-    """Two SIGTERMs in a row to mpiexec: the second stops each rank's save at once (as a second Ctrl-C), and
-    the ranks abort the job together (exit 143) instead of one waiting for the other; the checkpoints
-    there are whole."""
+def test_two_sigterms_in_a_row_are_one_stop(tmp_path):
+    """Two SIGTERMs 2 ms apart to mpiexec are one stop request delivered twice (loop.SIGTERM_REPEAT_S): the
+    ranks stop after the same step and save there (exit 143; a second SIGTERM later than that stops the
+    save at once, as a second Ctrl-C, and the ranks abort together); the checkpoints there are whole."""
     from onnxtrain.checkpoint import load_checkpoint
     from onnxtrain.train.outputs import list_checkpoints
 
@@ -173,5 +204,6 @@ def test_a_second_sigterm_aborts_the_job_at_once(tmp_path):
     proc.send_signal(signal.SIGTERM)
     code, err = _finish(proc, 60)
     assert code == 143, err[-3000:]
+    assert os.path.exists(os.path.join(out, "checkpoints", f"step_{_stopped_at(err):08d}.ckpt"))
     for _, path in list_checkpoints(out):
         load_checkpoint(path)

@@ -369,3 +369,30 @@ def test_a_log_window_saved_by_another_number_of_ranks_is_kept(tmp_path):
     tr = Trainer(load_config(config_path("digits_mlp"), sets), str(tmp_path / "other"), progress=False)
     st = tr.restore(ckpt)
     assert st.window_n == 3 and st.window_loss == pytest.approx(loss + 0.5, rel=1e-12)
+
+
+def test_a_repeated_sigterm_is_one_stop_request_a_later_one_a_second(monkeypatch):
+    """A SIGTERM repeating the first within loop.SIGTERM_REPEAT_S is the same request delivered twice (a
+    cgroup-wide kill reaches a rank directly and again from mpiexec: it aborted the job without the stop's
+    checkpoint); a SIGTERM after that, or a SIGINT, is a second request and raises at once."""
+    from onnxtrain.train import loop
+
+    def deliver(signum: int) -> None:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)  # (the handler runs between bytecodes of this thread)
+
+    with loop._Interrupts() as stop:
+        deliver(signal.SIGTERM)
+        try:
+            deliver(signal.SIGTERM)
+        except loop.Terminated:  # (a KeyboardInterrupt: pytest would stop the session on it)
+            pytest.fail("a SIGTERM 10 ms after the first was taken as a second stop request")
+        assert (stop.hit, stop.signum) == (True, signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt) as e:
+            deliver(signal.SIGINT)
+        assert not isinstance(e.value, loop.Terminated)
+        monkeypatch.setattr(loop, "SIGTERM_REPEAT_S", 0.0)
+        with pytest.raises(loop.Terminated) as e:
+            deliver(signal.SIGTERM)
+        assert e.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
