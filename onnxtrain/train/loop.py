@@ -368,8 +368,8 @@ class Trainer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_with_checksum(ckpt, path)
         keep = self.cfg.training.keep_checkpoints
-        if keep:
-            for _, old in list_checkpoints(self.out)[:-keep]:
+        if keep:  # (not later ones: left by a run this one resumed before, passed over as damaged)
+            for _, old in [c for c in list_checkpoints(self.out) if c[0] <= st.global_step][:-keep]:
                 remove_checkpoint(old)
         return path
 

@@ -184,3 +184,24 @@ def test_export_refuses_to_write_over_the_older_checkpoint_it_falls_back_to(kill
     from onnxtrain.train.checksums import checksum_problem
 
     assert checksum_problem(older) is None
+
+
+def test_a_run_resumed_before_damaged_checkpoints_keeps_its_own(kill_setup, tmp_path, capsys):  # noqa: F811
+    """Checkpoints 60, 65 and 66 (keep_checkpoints 3), the last two damaged; resumed with keep_checkpoints 1
+    and training.steps 63: the run restores 60, trains to 63 and keeps step 63's checkpoint (pruning took
+    the latest by step, the damaged 66: it deleted 63 as it was written, and nothing whole was left)."""
+    config, _, _ = kill_setup
+    out = str(tmp_path / "run")
+    assert main(["train", config, "--output-dir", out, "-q", "--set", "training.keep_checkpoints=3"]) == 0
+    assert [os.path.basename(p) for p in (_ckpt(out, 60), _ckpt(out, 65), _ckpt(out, 66))] == sorted(
+        n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".ckpt"))
+    for step in (65, 66):
+        _flip_in_a_weight(_ckpt(out, step))
+    capsys.readouterr()
+    assert main(["train", config, "--output-dir", out, "-q", "--resume", "--set",
+                 "training.keep_checkpoints=1", "--set", "training.steps=63"]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming from the checkpoint before it, {_ckpt(out, 60)}" in err, err
+    assert os.path.exists(_ckpt(out, 63)) and not os.path.exists(_ckpt(out, 60))
+    code, metrics, err = _eval(capsys, config, out)
+    assert code == 0 and f"using the checkpoint before it, {_ckpt(out, 63)}" in err, err
