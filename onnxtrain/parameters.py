@@ -131,6 +131,14 @@ def _name(v: Any) -> str:
     return str(v)
 
 
+def _scalar(name: str, convert: Callable[[Any], Any], value: Any) -> Any:
+    """``convert(value)`` for the option ``name``; its TypeError names the option."""
+    try:
+        return convert(value)
+    except TypeError as e:
+        raise TypeError(f"TrainingParameters.{name} {e}") from None
+
+
 # older bindings' names of options that onnxruntime renamed: {old name: (new name, old value -> new value,
 # new value -> old value)}. Scripts of those releases set them on every session (their frontends'
 # session factories), so they are read and written through the new option.
@@ -273,25 +281,13 @@ class TrainingParameters:
                                 f"{', '.join(odd)}")
             value = {_name(v) for v in value}
         elif isinstance(default, bool):
-            try:
-                value = _flag(value)
-            except TypeError as e:
-                raise TypeError(f"TrainingParameters.{name} {e}") from None
+            value = _scalar(name, _flag, value)
         elif isinstance(default, int):
-            try:
-                value = _int(value)
-            except TypeError as e:
-                raise TypeError(f"TrainingParameters.{name} {e}") from None
+            value = _scalar(name, _int, value)
         elif isinstance(default, float):
-            try:
-                value = _float32(value)
-            except TypeError as e:
-                raise TypeError(f"TrainingParameters.{name} {e}") from None
+            value = _scalar(name, _float32, value)
         elif isinstance(default, str):
-            try:
-                value = _name(value)
-            except TypeError as e:
-                raise TypeError(f"TrainingParameters.{name} {e}") from None
+            value = _scalar(name, _name, value)
         elif isinstance(default, dict):
             if not isinstance(value, dict):
                 raise TypeError(f"TrainingParameters.{name} must be a dict, got {type(value).__name__}")
