@@ -67,6 +67,7 @@ class Case:
     size: int = SIZE
     slack64: float = 1.0  # × the float64 tolerances; the reason beside the case
     float64: bool = True  # False: torch's exporter cannot write the model in float64 (EXPORT_FAULTS)
+    float32: bool = True  # False: too chaotic in float32 for any tolerance (the reason beside the case)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,10 +107,15 @@ CASES: dict[str, Case] = {
     "dpn48b": Case(_timm("dpn48b")),
     "hrnet_w18_small": Case(_timm("hrnet_w18_small")),
     # chaotic: the squeeze-excite BatchNorms see 2 values (batch 2, 1×1); torch moves 1.5e-7 of an update
-    # and 4e-10 of the loss against itself on an input changed by 1e-15
-    "rexnet_100": Case(_timm("rexnet_100", width_mult=0.5), slack64=10),
+    # and 4e-10 of the loss against itself on an input changed by 1e-15, and its float32 run is 2% of the
+    # loss and 1.4 updates from its float64 one
+    "rexnet_100": Case(_timm("rexnet_100", width_mult=0.5), slack64=10, float32=False),
     "ghostnet_050": Case(_timm("ghostnet_050")),
-    "mixnet_s": Case(_timm("mixnet_s")),
+    # chaotic in float32: the step-1 gradients of both sides are 2-2.5e-5 of the largest from float64's,
+    # yet after two steps conv_head.weight is 0.23 of an update from float64's (torch's own float32 run
+    # happens to land at 8e-4); torch's float64 run moves it by 0.13 of an update, and the loss by 2.6e-3,
+    # on an input changed by 1e-6 (relative, random). float64 agrees to 1e-6
+    "mixnet_s": Case(_timm("mixnet_s"), float32=False),
     "tinynet_e": Case(_timm("tinynet_e")),
     "lcnet_035": Case(_timm("lcnet_035")),
     "hardcorenas_a": Case(_timm("hardcorenas_a")),
@@ -178,7 +184,7 @@ def build(name: str, dtype: type = np.float64) -> torch.nn.Module:
     return net.to(torch.float64 if dtype == np.float64 else torch.float32).train()
 
 
-def batches(name: str, dtype: type = np.float64) -> list[tuple[np.ndarray, np.ndarray]]:
+def data_of(name: str, dtype: type = np.float64) -> list[tuple[np.ndarray, np.ndarray]]:
     """Two training batches for model ``name``."""
     rng = np.random.default_rng(7)
     shape = _case(name).shape
@@ -205,12 +211,28 @@ def export(net: torch.nn.Module, x: np.ndarray) -> onnx.ModelProto:
     return model
 
 
-def torch_rounding(name: str, data: list, start: dict[str, np.ndarray],
-                   want: tvm.Run) -> dict[str, tuple[float, str]]:
-    """How far torch's own float32 run (``want``) is from its float64 run of the same model and data."""
-    exact = tvm.torch_steps(name, build(name, np.float64), [(x.astype(np.float64), y) for x, y in data],
+def compare32(name: str, got: tvm.Run, want: tvm.Run, start: dict[str, np.ndarray]) -> None:
+    """``got`` (onnxtrain) against ``want`` (torch) in float32, within torchvision's test's tolerances widened
+    to 30× torch's own float32-against-float64 difference. A weight whose gradient is zero but for rounding
+    in torch's float64 run (update under 1e-9 of the largest: a BatchNorm bias feeding a 1×1 conv then a
+    batch-statistics BatchNorm, as in MobileViT) is held as one that stays put, against the largest update:
+    in float32, AdamW's normalisation lifts that rounding to 2e-3 of the largest update, differently on each
+    side."""
+    f32, f64 = np.float32, np.float64
+    exact = tvm.torch_steps(name, build(name, f64), [(x.astype(f64), y) for x, y in data_of(name, f32)],
                             _case(name).optimizer)
-    return tvm.worst(want, exact, start, np.float32)
+    largest = max(float(np.abs(b - start[p]).max()) for p, b in exact.weights.items())
+    zero = {p for p, b in exact.weights.items() if np.abs(b - start[p]).max() <= tvm.STILL[f64] * largest}
+
+    def kept(run: tvm.Run) -> tvm.Run:
+        return tvm.Run(run.losses, {p: w for p, w in run.weights.items() if p not in zero}, run.stats)
+
+    rounding = tvm.worst(want, exact, start, f32)
+    tvm.compare(name, kept(got), kept(want), start, f32, rounding)
+    if zero:
+        limit = max(2 * tvm.STILL[f32], tvm.FLOOR * rounding["still"][0])
+        err = max(float(np.abs(got.weights[p] - want.weights[p]).max()) for p in zero) / largest
+        assert err <= limit, f"{name}: a weight of zero exact gradient off torch's by {err} > {limit}"
 
 
 def check_inference64(name: str, module: Any, net: torch.nn.Module, run: tvm.Run, x: np.ndarray,
@@ -247,17 +269,16 @@ def run_case(name: str, folder: str, dtype: type = np.float64) -> None:
     """Export, artifacts, two steps on both sides and the inference export for model ``name``."""
     case = _case(name)
     net = build(name, dtype)
-    data = batches(name, dtype)
+    data = data_of(name, dtype)
     model = export(net, data[0][0])
     tvm.make_artifacts(model, net, case.optimizer, folder)
     start = {p: w.detach().numpy().copy() for p, w in net.named_parameters()}
     got, module = tvm.onnxtrain_steps(folder, data, case.optimizer)
     want = tvm.torch_steps(name, net, data, case.optimizer)
-    rounding = torch_rounding(name, data, start, want) if dtype == np.float32 else None
     if dtype == np.float64:
         compare64(name, got, want, start, case.slack64)
     else:
-        tvm.compare(name, got, want, start, dtype, rounding)
+        compare32(name, got, want, start)
     if dtype == np.float32:
         tvm.check_inference(name, module, net, got, data[1][0], folder)
     else:
@@ -275,7 +296,7 @@ def test_two_steps_match_torch_float64(name, tmp_path):
     run_case(name, str(tmp_path))
 
 
-@pytest.mark.parametrize("name", _params(CASES, DEFAULT32))
+@pytest.mark.parametrize("name", _params((n for n in CASES if CASES[n].float32), DEFAULT32))
 def test_two_steps_match_torch(name, tmp_path):
     """Two float32 training steps within torch's own float32 rounding; the inference export gives torch
     eval mode's logits on onnxtrain and onnxruntime."""
