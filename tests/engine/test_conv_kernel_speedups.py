@@ -126,8 +126,8 @@ def _split_keeps_the_bits(op: str, x: np.ndarray, w: np.ndarray, attrs: dict[str
     Where the kernel splits its GEMMs over the threads, each runs at one OpenBLAS thread
     (``blas.single_threaded_blas``), so the one-thread run is made at one OpenBLAS thread too: unpinned,
     OpenBLAS splits a large enough GEMM over its own threads, and its Haswell/Zen kernel rounds the rows it
-    then puts in other tiles differently (a depthwise 7×7 of 2 × 16 × 64²: 12 % of the outputs, up to 1 ulp
-    of their terms' magnitude). That is OpenBLAS's thread count, not the engine's split."""
+    then puts in other tiles differently (a depthwise 7×7 of 2 × 16 × 64²: 12 % of the outputs, by up to 1.2
+    float32 epsilons of their terms' magnitude). That is OpenBLAS's thread count, not the engine's split."""
     parts: list[int] = []
     with recording_splits(parts):
         two = _ours(op, x, w, attrs, threads=2)
@@ -218,7 +218,8 @@ def test_depthwise_rows_up_to_their_width(case, monkeypatch) -> None:
     """The route by row width; onnxruntime's values, torch's float64 within rounding, and on two threads the
     bits of one thread making the same GEMM calls (:func:`_split_keeps_the_bits`: on OpenBLAS's Haswell/Zen
     kernels the 7×7 over 2 × 16 × 64², whose 140 × 70 × 64 channel GEMMs OpenBLAS threads when left to
-    itself, differs there from the unpinned one-thread run by 1 ulp of the terms' magnitude)."""
+    itself, differs there from the unpinned one-thread run in 12 % of the outputs, by up to 1.2 epsilons of
+    their terms' magnitude; each run within 1.0 of torch)."""
     xs, k, s, banded = case
     seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
     x, w = _data(2, xs, (xs[1], 1, k, k))
