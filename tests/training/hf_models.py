@@ -50,6 +50,11 @@ _LLAMA = dict(
     rms_norm_eps=2.0**-20,
 )
 
+# BART's generator and classifier (one encoder and one decoder layer)
+_BART = dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+             decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+             pad_token_id=1, decoder_start_token_id=2)
+
 
 class Wrapped(torch.nn.Module):
     """A Hugging Face model taking ``names`` positionally and returning ``(loss, logits)``."""
@@ -296,18 +301,7 @@ CASES: dict[str, Case] = {
         "BartForConditionalGeneration",
         "BartConfig",
         "seq2seq",
-        {},
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=16,
-        pad_token_id=1,
-        decoder_start_token_id=2,
+        _BART,
         mask=True,
     ),
     "llama_cls": _case(
@@ -333,19 +327,8 @@ CASES: dict[str, Case] = {
         "BartForSequenceClassification",
         "BartConfig",
         "cls",
-        {},
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=16,
-        pad_token_id=1,
+        _BART,
         eos_token_id=2,
-        decoder_start_token_id=2,
         num_labels=CLASSES,
         eos=2,
     ),
