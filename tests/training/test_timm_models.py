@@ -35,9 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import io
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -192,25 +190,6 @@ def data_of(name: str, dtype: type = np.float64) -> list[tuple[np.ndarray, np.nd
             for _ in range(2)]
 
 
-def export(net: torch.nn.Module, x: np.ndarray) -> onnx.ModelProto:
-    """``net`` exported in training mode by the TorchScript exporter (output ``logits``), its initializers
-    holding the values from before the export (tracing in training mode moves the running statistics)."""
-    before = copy.deepcopy(net.state_dict())
-    buf = io.BytesIO()
-    with warnings.catch_warnings():  # the exporter's notes are expected here
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, (torch.from_numpy(x),), buf, dynamo=False, opset_version=17,
-                          input_names=["input"], output_names=["logits"],
-                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
-    model = onnx.load_from_string(buf.getvalue())
-    net.load_state_dict(before)
-    net.train()
-    for t in model.graph.initializer:
-        if t.name in before:
-            t.CopyFrom(onnx.numpy_helper.from_array(before[t.name].numpy(), t.name))
-    return model
-
-
 def compare32(name: str, got: tvm.Run, want: tvm.Run, start: dict[str, np.ndarray]) -> None:
     """``got`` (onnxtrain) against ``want`` (torch) in float32, within torchvision's test's tolerances widened
     to 30× torch's own float32-against-float64 difference. A weight whose gradient is zero but for rounding
@@ -270,7 +249,7 @@ def run_case(name: str, folder: str, dtype: type = np.float64) -> None:
     case = _case(name)
     net = build(name, dtype)
     data = data_of(name, dtype)
-    model = export(net, data[0][0])
+    model = tvm.export(net, data[0][0])  # (TorchScript, opset 17, training mode)
     tvm.make_artifacts(model, net, case.optimizer, folder)
     start = {p: w.detach().numpy().copy() for p, w in net.named_parameters()}
     got, module = tvm.onnxtrain_steps(folder, data, case.optimizer)

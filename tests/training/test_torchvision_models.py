@@ -221,13 +221,14 @@ def batches(name: str, dtype: type = np.float32) -> list[tuple[np.ndarray, np.nd
             for _ in range(2)]
 
 
-def export(name: str, net: torch.nn.Module, x: np.ndarray) -> onnx.ModelProto:
-    """``net`` exported in training mode (output ``logits``), its initializers holding the values from
-    before the export (tracing in training mode moves the running statistics)."""
+def export(net: torch.nn.Module, x: np.ndarray, dynamo: bool = False) -> onnx.ModelProto:
+    """``net`` exported in training mode (output ``logits``) by torch's TorchScript exporter at opset 17 (by
+    dynamo if ``dynamo``), its initializers holding the values from before the export (tracing in training
+    mode moves the running statistics)."""
     before = copy.deepcopy(net.state_dict())
     with warnings.catch_warnings():  # the exporters' notes are expected here
         warnings.simplefilter("ignore")
-        if CASES[name].dynamo:
+        if dynamo:
             program = torch.onnx.export(net, (torch.from_numpy(x),), dynamo=True, optimize=False,
                                         input_names=["input"], output_names=["logits"], verbose=False)
             model = program.model_proto
@@ -427,7 +428,7 @@ def run_case(name: str, folder: str, dtype: type = np.float32, backend: str = "n
     case = CASES[name]
     net = build(name, dtype)
     data = batches(name, dtype)
-    model = export(name, net, data[0][0])
+    model = export(net, data[0][0], CASES[name].dynamo)
     make_artifacts(model, net, case.optimizer, folder)
     start = {p: w.detach().numpy().copy() for p, w in net.named_parameters()}
     got, module = onnxtrain_steps(folder, data, case.optimizer, backend)
