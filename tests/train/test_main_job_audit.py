@@ -349,6 +349,17 @@ def _without_speed(folder: str) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in _records(folder)]
 
 
+def assert_same_run(out: str, whole: str) -> None:
+    """Run folder ``out`` holds the files of the uninterrupted run ``whole``: the same names, the checkpoints
+    and model.onnx byte for byte, the same metrics records but for samples_per_s."""
+    got, expected = _files(out), _files(whole)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if name.startswith("checkpoints") or name == "model.onnx":
+            assert got[name] == expected[name], name
+    assert _without_speed(out) == _without_speed(whole)
+
+
 @pytest.mark.parametrize("kills", [
     [("step", 23)], [("checkpoint", 3)], [("prune", 2)], [("metrics", 9)], [("export", 1)],
     [("step", 12), ("checkpoint", 4)],  # the resumed run killed too
@@ -370,12 +381,7 @@ def test_resume_after_kill_9_ends_as_an_uninterrupted_run(kill_setup, tmp_path, 
     proc = subprocess.run([sys.executable, "-m", "onnxtrain", "train", *args, "--resume"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got, expected = _files(out), _files(whole)
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        if name.startswith("checkpoints") or name == "model.onnx":
-            assert got[name] == expected[name], name
-    assert _without_speed(out) == _without_speed(whole)
+    assert_same_run(out, whole)
 
 
 # ---- --resume with another batch size, the run's length in epochs ----------------------------------
@@ -494,12 +500,7 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_one_before(kill_setup
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"onnxtrain: warning: checkpoint {latest} is damaged"), line
     assert line.endswith(f"resuming from the checkpoint before it, {older}"), line
-    got, expected = _files(out), _files(whole)
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        if name.startswith("checkpoints") or name == "model.onnx":
-            assert got[name] == expected[name], name
-    assert _without_speed(out) == _without_speed(whole)
+    assert_same_run(out, whole)
 
 
 def test_a_batch_of_ignored_labels_only_leaves_the_logged_loss_finite(tmp_path, capsys):
