@@ -325,8 +325,10 @@ def make_artifacts(model: onnx.ModelProto, net: torch.nn.Module, optimizer: str,
     return params
 
 
-def onnxtrain_steps(folder: str, data: list, optimizer: str, backend: str = "numpy") -> tuple[Run, Module]:
-    """Two Module + Optimizer steps on the artifacts in ``folder``."""
+def module_steps(folder: str, data: list, lr: float,
+                 backend: str = "numpy") -> tuple[list[float], dict[str, np.ndarray], Module]:
+    """One Module + Optimizer step per batch of ``data`` (input tuples, or dicts by input name) on the
+    artifacts in ``folder``: the losses, the parameters after, the module."""
     from onnxtrain import SessionOptions
 
     so = SessionOptions()
@@ -335,13 +337,19 @@ def onnxtrain_steps(folder: str, data: list, optimizer: str, backend: str = "num
     module = Module(os.path.join(folder, "training_model.onnx"), state,
                     os.path.join(folder, "eval_model.onnx"), session_options=so)
     opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
-    opt.set_learning_rate(LR[optimizer])
+    opt.set_learning_rate(lr)
     losses = []
-    for x, y in data:
-        losses.append(float(module(x, y)))
+    for feeds in data:
+        out = module(*([feeds[n] for n in module.input_names()] if isinstance(feeds, dict) else feeds))
+        losses.append(float(out[0] if isinstance(out, tuple) else out))
         opt.step()
         module.lazy_reset_grad()
-    values = {n: np.array(p.data) for n, p in state.parameters}
+    return losses, {n: np.array(p.data) for n, p in state.parameters}, module
+
+
+def onnxtrain_steps(folder: str, data: list, optimizer: str, backend: str = "numpy") -> tuple[Run, Module]:
+    """Two Module + Optimizer steps on the artifacts in ``folder``."""
+    losses, values, module = module_steps(folder, data, LR[optimizer], backend)
     stats = {n: v for n, v in values.items() if n.endswith(("running_mean", "running_var"))}
     return Run(losses, {n: v for n, v in values.items() if n not in stats}, stats), module
 

@@ -67,6 +67,7 @@ if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(
     pytest.skip("transformers (with torchvision) is not installed", allow_module_level=True)
 
 from tests.training import hf_models as hf  # noqa: E402 - after the skips
+from tests.training.test_torchvision_models import module_steps  # noqa: E402
 
 LR = {"SGD": 2.0 ** -4, "AdamW": 2.0 ** -8}  # exact in float32 (the optimizer model takes a float32 rate)
 RTOL = {np.float32: 2e-3, np.float64: 1e-9, "f32_scalars": 1e-5}  # × max|update| of each weight
@@ -174,22 +175,7 @@ def make_artifacts(model: onnx.ModelProto, net: torch.nn.Module, optimizer: str,
 def onnxtrain_steps(name: str, folder: str, names: dict[str, str], data: list, optimizer: str,
                     backend: str = "numpy") -> tuple[Run, Module]:
     """Two Module + Optimizer steps on the artifacts in ``folder``."""
-    from onnxtrain import SessionOptions
-
-    so = SessionOptions()
-    so.add_session_config_entry("onnxtrain.backend", backend)
-    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-    module = Module(os.path.join(folder, "training_model.onnx"), state,
-                    os.path.join(folder, "eval_model.onnx"), session_options=so)
-    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
-    opt.set_learning_rate(LR[optimizer])
-    losses = []
-    for feeds in data:
-        out = module(*(feeds[n] for n in module.input_names()))
-        losses.append(float(out[0] if isinstance(out, tuple) else out))
-        opt.step()
-        module.lazy_reset_grad()
-    values = {n: np.array(p.data) for n, p in state.parameters}
+    losses, values, module = module_steps(folder, data, LR[optimizer], backend)
     return Run(losses, {p: values[n] for p, n in names.items()}), module
 
 
