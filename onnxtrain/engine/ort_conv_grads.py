@@ -54,9 +54,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.engine.kernels.conv import reads_input
 from onnxtrain.ir.attrs import parse_attributes
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, with_nodes_replaced
+from onnxtrain.ir.conv_shapes import reads_input
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread
 
 MAX_POSITIONS = 16

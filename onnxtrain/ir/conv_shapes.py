@@ -231,3 +231,11 @@ def same_pads(auto_pad: str, size: int, k_eff: int, stride: int) -> tuple[int, i
     total = max(0, (out - 1) * stride + k_eff - size)
     small = total // 2
     return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
+
+
+def reads_input(start: int, step: int, count: int, size: int) -> bool:
+    """Whether some of the ``count`` positions start + j·step lie in [0, size): whether a kernel offset (or
+    an output) of a Conv reads X anywhere but its padding, or a ConvTranspose offset's products land in its
+    output."""
+    lo = max(0, -(start // step))
+    return lo <= min(count - 1, (size - 1 - start) // step)

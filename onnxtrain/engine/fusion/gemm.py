@@ -23,11 +23,11 @@ from onnxtrain.engine.fusion.common import (
     swapped_conv,
     transposes_by,
 )
-from onnxtrain.engine.kernels.conv import reads_input
 from onnxtrain.engine.kernels.half_cast import HALF
 from onnxtrain.engine.kernels.matmul import half_product_plus
 from onnxtrain.engine.parallel import for_ranges_with_own_blas
 from onnxtrain.engine.registry import Attrs
+from onnxtrain.ir.conv_shapes import reads_input
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step

@@ -28,7 +28,7 @@ from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
-from onnxtrain.ir.conv_shapes import conv_transpose_geometry, same_pads
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry, reads_input, same_pads
 
 
 def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
@@ -198,14 +198,6 @@ def _conv_live_part(node: Attrs, in_sp: list[int], k: list[int], strides: list[i
             "x": (slice(None), slice(None), *(slice(v, None) for v in skip)),
             "w": (slice(None), slice(None), *(slice(a, b + 1) for a, b in taps)),
             "y": (slice(None), slice(None), *(slice(a, a + v) for a, v in zip(first, keep, strict=True)))}
-
-
-def reads_input(start: int, step: int, count: int, size: int) -> bool:
-    """Whether some of the ``count`` positions start + j·step lie in [0, size): whether a kernel offset (or
-    an output) of a Conv reads X anywhere but its padding, or a ConvTranspose offset's products land in its
-    output."""
-    lo = max(0, -(start // step))
-    return lo <= min(count - 1, (size - 1 - start) // step)
 
 
 def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
