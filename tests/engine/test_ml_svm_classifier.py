@@ -56,7 +56,10 @@ def _assert_like_onnxruntime(attrs: dict[str, Any], x: np.ndarray, rtol: float =
     assert got_y.dtype == want_y.dtype and got_y.shape == want_y.shape
     assert got_y.tolist() == want_y.tolist()
     assert got_z.dtype == want_z.dtype == np.float32 and got_z.shape == want_z.shape
-    np.testing.assert_allclose(got_z, want_z, rtol=rtol, atol=atol)
+    # atol per unit of the largest score: a score near 0 among scores of 10 carries their rounding (POLY
+    # degree 4 on the AMD EPYC host: 0.0457 off by 1.6e-6 where the largest is 11.8)
+    scale = max(1.0, float(np.abs(want_z).max(initial=0.0)))
+    np.testing.assert_allclose(got_z, want_z, rtol=rtol, atol=atol * scale)
     return want_y, want_z
 
 

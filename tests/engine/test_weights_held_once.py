@@ -50,8 +50,8 @@ def test_the_numpy_sessions_model_holds_no_second_copy_of_the_weights() -> None:
     want = _oracle(model, {"x": x})
     sess = onnxtrain.InferenceSession(model)
     got = sess.run(None, {"x": x})
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):  # (float32 GEMMs of two BLASes: within 1e-7 of the largest output, ~1 eps)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * max(100.0, float(np.abs(b).max())))
     inits = {t.name: t for t in sess._model.graph.initializer}
     assert not inits["W1"].raw_data and not inits["W2"].raw_data  # names, types and dims only
     assert list(inits["W1"].dims) == [64, 128] and inits["W1"].data_type == TensorProto.FLOAT
