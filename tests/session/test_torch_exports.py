@@ -18,6 +18,12 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+# spectrogram_cls: its one-value filter bias (0.03) sums the whole batch's spectrogram gradients, float32
+# DFT products that each host's BLAS rounds otherwise: 4.2e-5 off torch's at step 13 on the AMD EPYC host
+# (OpenBLAS's Haswell/Zen kernels), under 1e-5 on the Intel one; the loss stays within 1e-5
+WEIGHT_RTOL = {"spectrogram_cls": 1e-4}
+
+
 @pytest.mark.parametrize("name,opt", [
     (n, o) for n in ("mlp", "lenet_bn") for o in ("SGDOptimizer", "AdamOptimizer")
 ] + [(n, "SGDOptimizer") for n in ("rnn_relu_cls", "spatial_transformer", "fake_quant_mlp",
@@ -76,7 +82,7 @@ def test_twenty_steps_match_torch(name: str, opt: str) -> None:
         for k, v in params.items():
             if opt == "AdamOptimizer" and k in flat:
                 continue
-            assert _rel(state[k], v.detach().numpy()) < 1e-5, (step, k)
+            assert _rel(state[k], v.detach().numpy()) < WEIGHT_RTOL.get(name, 1e-5), (step, k)
     # lenet_bn: conv biases before BatchNorm; rnn_relu_cls: the second layer's reverse W_hh, whose only step
     # the classifier reads starts from h0 = 0
     assert len(flat) <= {"lenet_bn": 2, "rnn_relu_cls": 1}.get(name, 0), flat
