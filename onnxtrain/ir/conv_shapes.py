@@ -239,3 +239,20 @@ def reads_input(start: int, step: int, count: int, size: int) -> bool:
     output."""
     lo = max(0, -(start // step))
     return lo <= min(count - 1, (size - 1 - start) // step)
+
+
+def live_offsets(k: Sequence[int], scale: Sequence[int], shift: Sequence[int], step: Sequence[int],
+                 count: Sequence[int], size: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """(first, last) live kernel offset per axis, offset t of axis i being live where
+    ``reads_input(t·scale[i] − shift[i], step[i], count[i], size[i])``; None where some axis has no live
+    offset, or every offset of every axis is live."""
+    first, last = [], []
+    for i in range(len(k)):
+        live = [t for t in range(k[i]) if reads_input(t * scale[i] - shift[i], step[i], count[i], size[i])]
+        if not live:
+            return None
+        first.append(live[0])
+        last.append(live[-1])
+    if all(a == 0 and b == v - 1 for a, b, v in zip(first, last, k, strict=True)):
+        return None
+    return first, last

@@ -27,7 +27,7 @@ from onnxtrain.engine.kernels.half_cast import HALF
 from onnxtrain.engine.kernels.matmul import half_product_plus
 from onnxtrain.engine.parallel import for_ranges_with_own_blas
 from onnxtrain.engine.registry import Attrs
-from onnxtrain.ir.conv_shapes import reads_input
+from onnxtrain.ir.conv_shapes import live_offsets
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -211,15 +211,11 @@ def _live_span(xsp: tuple[int, ...], ysp: tuple[int, ...], strides: tuple[int, .
     nd = len(xsp)
     padded = [xsp[i] + pads[i] + pads[nd + i] for i in range(nd)]
     k = _kernel_dims(padded, ysp, list(strides), list(dil), limit)
-    first, last = [], []
-    for i in range(nd):  # offset t of axis i reads X's rows t·strides − pad + j·dil, outputs j
-        live = [t for t in range(k[i]) if reads_input(t * strides[i] - pads[i], dil[i], ysp[i], xsp[i])]
-        if not live:
-            return None
-        first.append(live[0])
-        last.append(live[-1])
-    if all(a == 0 and b == v - 1 for a, b, v in zip(first, last, k, strict=True)):
+    # offset t of axis i reads X's rows t·strides − pad + j·dil, outputs j
+    span = live_offsets(k, strides, pads[:nd], dil, ysp, xsp)
+    if span is None:
         return None
+    first, last = span
     cut = [b - a + 1 for a, b in zip(first, last, strict=True)]
     begin = [pads[i] - first[i] * strides[i] for i in range(nd)]
     skip = [max(0, -b) for b in begin]

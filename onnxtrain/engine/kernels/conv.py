@@ -28,7 +28,7 @@ from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
-from onnxtrain.ir.conv_shapes import conv_transpose_geometry, reads_input, same_pads
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry, live_offsets, reads_input, same_pads
 
 
 def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
@@ -543,15 +543,10 @@ def _live_taps(in_sp: Sequence[int], k: list[int], strides: list[int], dil: list
     None where every offset reaches the output, or none does (it is then zeros: col2im's case).
     ``node``: the node's attributes, whose name and opset the smaller one keeps."""
     nd = len(k)
-    lo_tap, hi_tap = [], []
-    for i in range(nd):
-        live = [kk for kk in range(k[i]) if reads_input(kk * dil[i] - pb[i], strides[i], in_sp[i], out[i])]
-        if not live:
-            return None
-        lo_tap.append(live[0])
-        hi_tap.append(live[-1])
-    if all(a == 0 and b == v - 1 for a, b, v in zip(lo_tap, hi_tap, k, strict=True)):
+    span = live_offsets(k, dil, pb, strides, in_sp, out)
+    if span is None:
         return None
+    lo_tap, hi_tap = span
     begin = [pb[i] - lo_tap[i] * dil[i] for i in range(nd)]
     full = [(in_sp[i] - 1) * strides[i] + (hi_tap[i] - lo_tap[i]) * dil[i] + 1 for i in range(nd)]
     end = [full[i] - begin[i] - out[i] for i in range(nd)]
