@@ -102,9 +102,21 @@ class Evaluator:
         """The weight of the labels of ``arrays`` (the whole eval set, on this rank alone) in its mean loss,
         without running the model: 0 when every label is ignored (``eval_loss`` is then NaN)."""
         labels = arrays.get(self.cfg.model.labels)
-        if labels is None or self.labels.ignore is None:
+        if labels is None:
             return float(len(next(iter(arrays.values()))))
         return float(self.labels.weight(labels, self.labels.kept(labels), weights))
+
+    def why_undefined(self, arrays: dict[str, np.ndarray]) -> str:
+        """Why no label of ``arrays`` (the whole eval set) counts in its mean loss, in words."""
+        labels = arrays.get(self.cfg.model.labels)
+        ignore, cw = self.labels.ignore, self.labels.class_weights
+        ignored = labels is not None and self.labels.kept(labels) is not None
+        if ignored and not self.labels.any_counted(labels):
+            return f"every label of the eval set is the loss's ignore_index ({ignore})"
+        if cw is not None:
+            but = f" that is not the loss's ignore_index ({ignore})" if ignored else ""
+            return f"the class weights ({cw!r}) are 0 for every label of the eval set{but}"
+        return "no label of the eval set counts in the loss"
 
 
 class LabelLoss:

@@ -190,8 +190,8 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the last eval
     checkpoint: str | None = None
     exported: str | None = None
-    # metrics that are NaN because nothing counted (an eval set whose labels are all the ignore_index: 0/0,
-    # as torch's), not because training diverged
+    # metrics that are NaN because nothing counted (an eval set whose labels are all the ignore_index or of
+    # classes of weight 0: 0/0, as torch's), not because training diverged
     undefined: tuple[str, ...] = ()
     train_loss: float | None = None  # the last logged training loss (None: not defined, or not known)
     signal: int = 0  # the signal that interrupted the run (SIGINT, SIGTERM), 0 when it finished
@@ -503,8 +503,8 @@ class Trainer:
         return logged
 
     def _undefined_eval(self) -> tuple[str, ...]:
-        """("eval_loss",) when the last eval counted no label (every one ignored: its NaN is 0/0, not a
-        divergence), else ()."""
+        """("eval_loss",) when the last eval counted no label (every one ignored or of weight 0: its NaN is
+        0/0, not a divergence), else ()."""
         return ("eval_loss",) if self.evaluate.counted == 0 else ()
 
     def _log(self, records: _Logged, fh: Any, record: dict[str, Any],
@@ -515,10 +515,10 @@ class Trainer:
         if "eval_loss" in undefined and not getattr(self, "_said_undefined", False):
             self._said_undefined = True
             if self.main:
+                why = self.evaluate.why_undefined(self.data.eval)
                 print(f"onnxtrain: warning: eval_loss at step {record.get('step')} is not defined (NaN, null "
-                      "in metrics.jsonl): every label of the eval set is the loss's ignore_index "
-                      f"({self.evaluate.labels.ignore}), so its mean is 0/0, as torch's CrossEntropyLoss "
-                      "gives", file=sys.stderr)
+                      f"in metrics.jsonl): {why}, so its mean is 0/0, as torch's CrossEntropyLoss gives",
+                      file=sys.stderr)
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)
                and k not in undefined]
         if bad and not getattr(self, "_diverged", False):
