@@ -59,6 +59,7 @@ from onnxtrain.train.outputs import (
     export_model,
     foreign_files,
     inputs_in_the_way,
+    is_run_folder,
     list_checkpoints,
     lock_folder,
     output_dir,
@@ -225,15 +226,17 @@ class Trainer:
                 raise ConfigError("output.dir", f"{e} (the folder comes from output.dir or --output-dir)"
                                   ) from None
         # the run would replace its own input: refused whatever the options (but a config.yaml that the run
-        # would rewrite as it is, such as a run folder's own)
+        # would rewrite as it is, or a run folder's own, which records the config of the run's last start)
         clashes = [(key, path) for key, path in inputs_in_the_way(cfg, self.out)
-                   if key or not _holds(path, self.resolved_config())]
+                   if key or not (_holds(path, self.resolved_config()) or _written_by_a_run(path, self.out))]
         if clashes:
             key, path = clashes[0]
             what = f"model.path {path}" if key == "model.path" else (
                 f"the config file {path}" if not key else f"{key} {path}")
+            how = ("copy it out of that folder and pass the copy, or choose another --output-dir" if not key
+                   else "choose another --output-dir (or output.dir)")
             raise ConfigError("", f"{what} is one of the files a run writes in its output folder {self.out} "
-                                  f"({os.path.basename(path)}); choose another --output-dir (or output.dir)")
+                                  f"({os.path.basename(path)}); {how}")
         s = cfg.schedule
         if self.main and s.kind == "constant" and s.final_lr_ratio:
             print(f"onnxtrain: warning: schedule.final_lr_ratio ({s.final_lr_ratio}) has no effect with "
@@ -874,6 +877,19 @@ def _saved_batch_size(saved: Any, default: int) -> int:
         return int(json.loads(saved)["training"]["batch_size"])
     except (TypeError, ValueError, KeyError):
         return default
+
+
+def _written_by_a_run(path: str, folder: str) -> bool:
+    """Whether ``path``, the config.yaml of ``folder``, is the one a run saved there: ``folder`` holds a run
+    and the file is YAML as a run writes it (no comments or other layout a person would give it)."""
+    if not is_run_folder(folder):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return text == yaml.safe_dump(yaml.safe_load(text), sort_keys=False)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
 
 
 def _holds(path: str, text: str) -> bool:

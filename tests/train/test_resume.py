@@ -14,6 +14,7 @@ import time
 import numpy as np
 import onnx
 import pytest
+import yaml
 
 from onnxtrain import zoo
 from onnxtrain.checkpoint import load_checkpoint
@@ -317,8 +318,7 @@ def test_a_run_never_replaces_its_own_inputs(tmp_path, capsys, option):
 
 
 def test_a_run_folder_config_yaml_runs_again_unchanged(tmp_path, capsys):
-    """The config.yaml a run saved can run again in its folder (the run rewrites it as it is); with a change
-    (--set) it would be replaced, so that is refused."""
+    """The config.yaml a run saved can run again in its folder (the run rewrites it as it is)."""
     out = str(tmp_path / "run")
     assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--set",
                  "training.steps=2"]) == 0
@@ -327,9 +327,45 @@ def test_a_run_folder_config_yaml_runs_again_unchanged(tmp_path, capsys):
     assert main(["train", saved, "-q", "--resume"]) == 0
     assert main(["train", saved, "-q", "--overwrite"]) == 0
     assert _md5(saved) == before
+
+
+def test_a_run_folder_config_yaml_resumes_with_set_values(tmp_path, capsys):
+    """`onnxtrain train RUN/config.yaml --resume --set training.steps=N`, the way to train a finished run
+    for longer, was refused (the run would rewrite its own config.yaml) with advice to choose another
+    --output-dir, where there is nothing to resume. The file a run wrote is now rewritten with the --set
+    values, and the run ends with the weights of an uninterrupted run of that length; a config.yaml that
+    no run wrote (the user's, with comments) is still never replaced."""
+    sets = ["--set", "schedule.kind=constant", "--set", "schedule.warmup_steps=0", "--set",
+            "schedule.final_lr_ratio=0"]
+    whole, out = str(tmp_path / "whole"), str(tmp_path / "run")
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", whole, *sets, "--set",
+                 "training.steps=3"]) == 0
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, *sets, "--set",
+                 "training.steps=2"]) == 0
+    saved = os.path.join(out, "config.yaml")
     capsys.readouterr()
-    assert main(["train", saved, "-q", "--resume", "--set", "training.steps=3"]) == 2
-    assert "the config file" in capsys.readouterr().err and _md5(saved) == before
+    assert main(["train", saved, "-q", "--resume", "--set", "training.steps=3"]) == 0, capsys.readouterr().err
+    with open(saved) as f:
+        assert yaml.safe_load(f)["training"]["steps"] == 3
+    with open(os.path.join(whole, "model.onnx"), "rb") as a, open(os.path.join(out, "model.onnx"), "rb") as b:
+        assert a.read() == b.read()
+    # the last checkpoints' weights and Adam moments (their saved configs differ in output.dir only)
+    a, b = (load_checkpoint(list_checkpoints(f)[-1][1]) for f in (whole, out))
+    assert a.trainable.keys() == b.trainable.keys()
+    assert all(np.array_equal(a.trainable[k], b.trainable[k]) for k in a.trainable)
+    (ga,), (gb,) = a.optimizer_groups, b.optimizer_groups
+    assert (ga.step, ga.initial_lr) == (gb.step, gb.initial_lr) == (3, np.float32(2e-3))
+    assert {k: v.keys() for k, v in ga.states.items()} == {k: v.keys() for k, v in gb.states.items()}
+    assert all(np.array_equal(v, gb.states[k][m]) for k, d in ga.states.items() for m, v in d.items())
+    # the user's own config.yaml in the folder (comments: no run wrote it) stays refused, and unchanged
+    shutil.copy(config_path("digits_mlp"), saved)
+    before = _md5(saved)
+    capsys.readouterr()
+    assert main(["train", saved, "-q", "--resume", "--output-dir", out, *sets,
+                 "--set", "training.steps=4"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the config file" in line and "copy" in line, line
+    assert _md5(saved) == before
 
 
 def test_a_new_run_refuses_a_folder_with_files_no_run_wrote(tmp_path, capsys):
