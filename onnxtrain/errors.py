@@ -63,8 +63,9 @@ class InvalidFeedType(InvalidArgument, TypeError):
     """A feed of the wrong element type or kind."""
 
 
-class NoneFed(InvalidFeed, Fail):
-    """None fed to a tensor input: onnxruntime's ``Fail`` ("Missing Input"), and an ``InvalidFeed``."""
+class NoneFed(InvalidFeed, Fail, RuntimeException):
+    """None fed to a tensor input: onnxruntime's ``Fail`` ("Missing Input"; ``RuntimeException`` in
+    onnxruntime-training 1.16.3 and 1.19.2), and an ``InvalidFeed``."""
 
 
 class ModelNotFound(NoSuchFile, FileNotFoundError):
@@ -87,6 +88,12 @@ class FailKeyError(Fail, KeyError):
 class NoSuchFileError(FileNotFoundError, NoSuchFile):  # OSError's constructor first: errno, filename
     """A file or folder the call needs does not exist: a ``FileNotFoundError`` (with its errno and file
     name), and onnxruntime's ``NoSuchFile``."""
+
+
+class NoFolderForOutput(NoSuchFileError, InvalidArgument):
+    """``SessionOptions.optimized_model_filepath`` in a folder that does not exist: a ``FileNotFoundError``
+    and ``NoSuchFile``, and the ``InvalidArgument`` onnxruntime's sessions raise for it ("SystemError :
+    2")."""
 
 
 class FailTypeError(Fail, TypeError):

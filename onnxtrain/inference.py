@@ -431,7 +431,7 @@ class InferenceSession:
         if isinstance(output_names, (str, bytes)):
             raise TypeError("output_names must be a list of names or None, got "
                             f"{type(output_names).__name__} {output_names!r}")
-        ro = run_options or RunOptions._default()
+        ro = RunOptions._default() if run_options is None else run_options  # ({} is no RunOptions)
         if not all(hasattr(ro, a) for a in ("terminate", "only_execute_path_to_fetches")):
             raise TypeError(f"run_options must be a RunOptions, got {type(ro).__name__} {ro!r}")
         if isinstance(ro, RunOptions):
@@ -857,6 +857,18 @@ def options_from_model(options: Any, model: onnx.ModelProto) -> Any:
                                   f"{value!r}, which onnxruntime does not take for it")
         setattr(options, key, taken)
     return options
+
+
+def warn_unread_model_config(model: onnx.ModelProto) -> None:
+    """A warning when ORT_LOAD_CONFIG_FROM_MODEL is 1 and the model carries session options (its metadata
+    entry ``ort_config``): a training session does not apply them. onnxruntime-training 1.16.3's legacy
+    TrainingSession read no model's options either: with the variable 1 it could not be created at all
+    ("ModelProto needs to be parsed to check for ORT config within it")."""
+    if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1" and any(
+            p.key == "ort_config" for p in model.metadata_props):
+        warn("ORT_LOAD_CONFIG_FROM_MODEL=1: a TrainingSession does not apply the session options of the "
+             "model's metadata entry ort_config (InferenceSession does; onnxruntime-training's legacy "
+             "TrainingSession could not be created with the variable set); give them in sess_options")
 
 
 def check_severity(level: Any, owner: str) -> None:

@@ -40,6 +40,7 @@ from onnxtrain.inference import (
     optimized_model_path,
     options_snapshot,
     profile_session_start,
+    warn_unread_model_config,
 )
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import gc_paused, loadable_model
@@ -230,6 +231,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_with_options(path_or_bytes, self._sess_options)
+        warn_unread_model_config(model)
         self._ir_version = model.ir_version  # the user's, before any upgrade
         model = loadable_model(model)
         self._loaded_ns = time.perf_counter_ns()

@@ -24,7 +24,13 @@ from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
-from onnxtrain.inference import NodeArg, check_feed_shape, load_with_options, node_arg
+from onnxtrain.inference import (
+    NodeArg,
+    check_feed_shape,
+    load_with_options,
+    node_arg,
+    warn_unread_model_config,
+)
 from onnxtrain.ir.builder import NameGen, loadable_model, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
@@ -55,6 +61,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         not edited), each BatchNormalization with running statistics of its own, as the one-process
         session's graphs have them."""
         model = load_with_options(path_or_bytes, self._sess_options)
+        warn_unread_model_config(model)
         model = loadable_model(model)
         model = upgrade_opset(model)
         if model is path_or_bytes:

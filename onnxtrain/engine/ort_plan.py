@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import import_onnxruntime, optimizations_off, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
+from onnxtrain.engine.failure_classes import NodeRuntimeException, ort_failure_class
 from onnxtrain.engine.interface import (
     RUN_OPTIONS,
     EngineError,
@@ -375,10 +376,10 @@ class OrtPlan(GraphInterface):
             refused = label_range_error(self._label_checks, str(e))
             if refused is not None:  # a label out of range: the numpy engine's error
                 loss, why = refused
-                raise EngineError(f"{loss} failed in graph {self.model.graph.name!r} on inputs [{shapes}]: "
-                                  f"ValueError: {why}") from None
-            raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
-                              f"{type(e).__name__}: {e}") from e
+                raise NodeRuntimeException(f"{loss} failed in graph {self.model.graph.name!r} on inputs "
+                                           f"[{shapes}]: ValueError: {why}") from None
+            raise ort_failure_class(e)(f"onnxruntime failed running graph {self.model.graph.name!r} on "
+                                       f"[{shapes}]: {type(e).__name__}: {e}") from e
         finally:
             if linked is not None:
                 linked.remove(ro)

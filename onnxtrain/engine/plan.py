@@ -23,6 +23,7 @@ from onnxtrain.engine.affinity import caller_cpu, placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_now, donated_slots, donating, reusable_inputs
+from onnxtrain.engine.failure_classes import node_failure_class
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
     MAX_PROFILE_EVENTS,
     RUN_OPTIONS,
@@ -307,15 +308,17 @@ class Plan(GraphInterface):
     def _raise_failed(st: Step, vals: list[Any], e: Exception) -> NoReturn:
         """Raise for step ``st`` that failed on inputs ``vals`` with ``e`` (the step is not run again: it may
         have written in place, drawn, or run a loop): ``e`` itself when it is already an EngineError (a
-        body's, a Terminated), else an EngineError naming the node and its inputs, caused by ``e``."""
+        body's, a Terminated), else an EngineError naming the node and its inputs, caused by ``e``, of
+        onnxruntime's class for that op's failure (:mod:`onnxtrain.engine.failure_classes`)."""
         if isinstance(e, EngineError):
             raise e
         node = st.node
         shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(node.input, vals))
         made = next((o for o in node.output if o), "")
         label = repr(node.name) if node.name or not made else f"(unnamed, making {made!r})"
-        raise EngineError(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: "
-                          f"{type(e).__name__}: {e}") from e
+        cls = node_failure_class(node.op_type, e)
+        raise cls(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: {type(e).__name__}: {e}"
+                  ) from e
 
     def run(
         self,

@@ -683,6 +683,10 @@ def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str, *,
         save_model_atomic(model, path, make_folders=False, external_data=external_data,
                           size_threshold=size_threshold)
     except OSError as e:
+        if isinstance(e, FileNotFoundError) and where == "SessionOptions.optimized_model_filepath":
+            from onnxtrain.errors import NoFolderForOutput  # (onnxruntime's class for it)
+
+            raise NoFolderForOutput(e.errno, f"{where}: {e.strerror}", os.fspath(path)) from None
         raise _about(e, path, where) from None
 
 

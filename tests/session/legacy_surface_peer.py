@@ -118,6 +118,54 @@ def _small_bias() -> onnx.ModelProto:
     return m
 
 
+def _lookup() -> onnx.ModelProto:
+    """emb[10, 12] gathered at idx[batch] (int64), reshaped to the fed ``shape`` and divided by the fed
+    ``div`` = y; loss = mean((y - t)^2): runs that fail inside a node (an index out of range, a shape the
+    values do not fill) or do not (a division by zero)."""
+    rng = np.random.default_rng(2)
+    emb = numpy_helper.from_array((rng.standard_normal((10, 12)) * 0.3).astype(np.float32), "emb")
+    nodes = [
+        helper.make_node("Gather", ["emb", "idx"], ["e"], name="lookup"),
+        helper.make_node("Reshape", ["e", "shape"], ["r"], name="reshape"),
+        helper.make_node("Div", ["r", "div"], ["y"], name="divide"),
+        helper.make_node("Sub", ["y", "t"], ["dd"]),
+        helper.make_node("Mul", ["dd", "dd"], ["d2"]),
+        helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0),
+    ]
+    inputs = [helper.make_tensor_value_info("idx", TensorProto.INT64, ["batch"]),
+              helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+              helper.make_tensor_value_info("div", TensorProto.FLOAT, []),
+              helper.make_tensor_value_info("t", TensorProto.FLOAT, ["batch", 12])]
+    g = helper.make_graph(nodes, "lookup", inputs,
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r0", "r1"])], [emb])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _broken(kind: str) -> onnx.ModelProto:
+    """:func:`_mlp` spoilt as ``kind`` says, so that onnx's checker refuses it: ``unknown_op`` (its Relu a
+    NoSuchOp), ``arity`` (its first Add given one input), ``types`` (a float64 bias added to a float32
+    value), ``undefined`` (the second MatMul reads a value nothing defines)."""
+    m = _mlp()
+    g = m.graph
+    node = {n.op_type + n.input[0]: n for n in g.node}
+    if kind == "unknown_op":
+        node["Reluh1"].op_type = "NoSuchOp"
+    elif kind == "arity":
+        del node["Addh0"].input[1]
+    elif kind == "types":
+        b = next(t for t in g.initializer if t.name == "a_b1")
+        b.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(b).astype(np.float64), "a_b1"))
+    elif kind == "undefined":
+        node["MatMulh"].input[0] = "nowhere"
+    return m
+
+
+BROKEN = ("unknown_op", "arity", "types", "undefined")
+
+
 def write_models(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     onnx.save(_mlp(), os.path.join(folder, "mlp2.onnx"))
@@ -128,8 +176,13 @@ def write_models(folder: str) -> None:
     for ir in (3, 4):
         onnx.save(_all_initializers_as_inputs(ir), os.path.join(folder, f"inputs_ir{ir}.onnx"))
     onnx.save(_mlp(overridable=True), os.path.join(folder, "mlp2_overridable.onnx"))
+    onnx.save(_lookup(), os.path.join(folder, "lookup.onnx"))
+    for kind in BROKEN:
+        onnx.save(_broken(kind), os.path.join(folder, f"broken_{kind}.onnx"))
     with open(os.path.join(folder, "garbage.onnx"), "wb") as f:
         f.write(b"this is no model")
+    with open(os.path.join(folder, "empty.onnx"), "wb"):
+        pass
 
 
 def _params(opt: str = "", maps: bool = True, **kw: Any) -> dict[str, Any]:
@@ -173,6 +226,29 @@ DROPOUT_RUNS: list[dict[str, Any]] = [
     {"outputs": ["y"], "iobinding": True,
      "run_options": {"training_mode": False, "only_execute_path_to_fetches": True}},
 ]
+# runs that fail, as a user's mistakes make them (README's legacy section: the exception table)
+FAILING_RUNS: list[dict[str, Any]] = [
+    {"outputs": ["loss"], "raw": {"x": "list"}}, {"outputs": ["loss"], "raw": {"x": "none"}},
+    {"outputs": ["loss"], "raw": {"x": "string"}}, {"outputs": ["loss"], "raw": {"Learning_Rate": "list"}},
+    {"outputs": ["loss"], "run_options_as": "dict"}, {"outputs": ["loss"], "run_options_as": "string"},
+    {"outputs": ["loss"], "run_options": {"terminate": True}},
+    {"outputs": ["loss"], "run_options": {"log_severity_level": 9}},
+    {"outputs": ["loss"], "run_options": {"only_execute_path_to_fetches": "yes"}},
+]
+LOOKUP_FEEDS = {"t": ["float32", [2, 12]]}
+LOOKUP_VALUES = {"idx": [[1, 3], "int64"], "shape": [[2, 12], "int64"], "div": [2.0, "float32"]}
+LOOKUP_RUNS: list[dict[str, Any]] = [
+    {"outputs": ["loss", "y"]}, {"outputs": ["y"], "values": {"idx": [[-1, -10], "int64"]}},
+    {"outputs": ["loss"], "values": {"idx": [[1, 10], "int64"]}},
+    {"outputs": ["loss"], "values": {"idx": [[-11, 0], "int64"]}},
+    {"outputs": ["y"], "values": {"idx": [[1, 10], "int64"]},
+     "run_options": {"only_execute_path_to_fetches": True}},
+    {"outputs": ["loss"], "values": {"shape": [[5, 7], "int64"]}},
+    {"outputs": ["loss"], "values": {"shape": [[-1, 12], "int64"]}},
+    {"outputs": ["loss"], "values": {"shape": [[-1, -1], "int64"]}},
+    {"outputs": ["loss"], "values": {"shape": [[2, 12, 1], "int64"]}},
+    {"outputs": ["loss"], "values": {"div": [0.0, "float32"]}},
+]
 LOADS = [[k, s] for k in probes.LOADS for s in (False, True)]
 DUMPED = {"dumps": True}
 
@@ -186,7 +262,8 @@ def cases() -> list[dict[str, Any]]:
                   "load_weight": "z_w1", **kw})
 
     strict_as = [["unknown_key", "yes"], ["unknown_key", None], ["unknown_key", 2]]  # load_state's strict
-    add("sgd", _params("SGDOptimizer"), runs=RUNS, loads=LOADS + strict_as, **DUMPED)
+    add("sgd", _params("SGDOptimizer"), runs=RUNS + FAILING_RUNS, loads=LOADS + strict_as,
+        save_as_onnx="/nonexistent/dir/saved.onnx", **DUMPED)
     add("adam", _params("AdamOptimizer"), runs=RUNS[:5] + RUNS[-2:], loads=LOADS, **DUMPED)
     add("adam_noclip", _params("AdamOptimizer", enable_grad_norm_clip=False),
         runs=[{"outputs": None}, {"outputs": ["global_gradient_norm"]}])
@@ -267,8 +344,20 @@ def cases() -> list[dict[str, Any]]:
     add("train_an_input", _params("SGDOptimizer", weights_to_train=["z_w1", "x"]))
     add("train_an_activation", _params("SGDOptimizer", weights_to_train=["z_w1", "h"]))
     add("accumulation_without_optimizer", _params(maps=False, gradient_accumulation_steps=3))
+    add("lookup", {**_params("SGDOptimizer", maps=False), "optimizer_attributes_map": {"emb": {}},
+                   "optimizer_int_attributes_map": {"emb": {}}}, model="lookup.onnx", feeds=LOOKUP_FEEDS,
+        values=LOOKUP_VALUES, runs=LOOKUP_RUNS, load_weight="emb")
+    for kind in BROKEN:
+        add(f"broken_{kind}", _params("SGDOptimizer"), model=f"broken_{kind}.onnx")
+    add("dump_to_a_missing_folder", _params("SGDOptimizer",
+                                            model_with_training_graph_path="/nonexistent/dir/t.onnx"))
+    add("optimized_model_to_a_missing_folder", _params("SGDOptimizer"),
+        sess_options={"optimized_model_filepath": "/nonexistent/dir/o.onnx"})
     add("no_such_file", _params("SGDOptimizer"), model="/nonexistent/dir/model.onnx")
     add("not_a_model", _params("SGDOptimizer"), model="garbage.onnx")
+    add("bytes_not_a_model", _params("SGDOptimizer"), model="garbage.onnx", as_bytes=True)
+    add("empty_file", _params("SGDOptimizer"), model="empty.onnx")
+    add("empty_bytes", _params("SGDOptimizer"), model="empty.onnx", as_bytes=True)
     add("pathlike", _params("SGDOptimizer"), as_pathlike=True)
     return c
 

@@ -10,7 +10,10 @@ A case (JSON) is ``{"name", "model": file in the models folder, "params": {Train
 value}, "as_bytes", "providers", "sess_options", "dumps", "runs": [...], "loads": [...], "probe_state"}``;
 ``weights_to_train`` and the other set properties are given as lists. A run is ``{"outputs": names or
 None, "drop": feeds left out, "extra": {name: [dtype, shape]}, "as": {name: [dtype, shape]} (a feed given
-in another dtype or shape), "lr_shape", "run_options": {attribute: value}, "iobinding"}``.
+in another dtype or shape), "values": {name: [values, dtype]} (a feed of these values), "raw": {name:
+"list" | "none" | "string"} (a feed that is no array), "lr_shape", "run_options": {attribute: value},
+"run_options_as": "dict" | "string" (something else in RunOptions' place), "iobinding"}``. A case's
+``"values"`` are its feeds' values for every run; its ``"save_as_onnx"`` a path that method is called with.
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ def default_feeds(case: dict[str, Any], session: Any) -> dict[str, np.ndarray]:
     the loss scale when the session asks for one."""
     rng = np.random.default_rng(0)
     feeds = {k: rng.standard_normal(shape).astype(dtype) for k, (dtype, shape) in case["feeds"].items()}
+    feeds.update((k, np.array(v, dtype)) for k, (v, dtype) in case.get("values", {}).items())
     lr = case.get("params", {}).get("lr_params_feed_name", "Learning_Rate")
     if case.get("params", {}).get("training_optimizer_name"):
         feeds[lr] = np.array([0.01], np.float32)
@@ -174,13 +178,17 @@ def run_once(ort: Any, case: dict[str, Any], session: Any, spec: dict[str, Any])
         feeds.pop(k, None)
     for k, (dtype, shape) in {**spec.get("extra", {}), **spec.get("as", {})}.items():
         feeds[k] = np.ones(shape, dtype)
-    ro = None
-    if "run_options" in spec:
-        ro = ort.RunOptions()
-        for k, v in spec["run_options"].items():
-            setattr(ro, k, v)
+    feeds.update((k, np.array(v, dtype)) for k, (v, dtype) in spec.get("values", {}).items())
+    for k, kind in spec.get("raw", {}).items():
+        feeds[k] = {"list": lambda a: a.tolist(), "none": lambda a: None, "string": str}[kind](feeds[k])
+    ro: Any = None
     before = state_or_none(session)
     try:
+        if "run_options" in spec:
+            ro = ort.RunOptions()
+            for k, v in spec["run_options"].items():
+                setattr(ro, k, v)
+        ro = {"dict": {}, "string": "options"}.get(spec.get("run_options_as"), ro)
         if spec.get("iobinding"):
             b = session.io_binding()
             for k, v in feeds.items():
@@ -315,6 +323,8 @@ def session_probe(ort: Any, case: dict[str, Any], models: str, out_dir: str) -> 
     weight = case.get("load_weight", "W")
     res["loads"] = {f"{kind}/{strict}": load_once(session, kind, strict, weight)
                     for kind, strict in case.get("loads", [])}
+    if "save_as_onnx" in case:
+        res["save_as_onnx"] = attempt(lambda: session.save_as_onnx(case["save_as_onnx"]))
     return res
 
 
