@@ -12,15 +12,19 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
 from onnxtrain.ir.builder import loadable_model
-from onnxtrain.ir.graphs import graph_values
+from onnxtrain.ir.graphs import graph_values, node_reads
 
 
 def _ordered(names: Iterable[str], what: str) -> list[str]:
     """``names`` as a list; a set has no order: sorted, so the gradient outputs come out in a stable order.
-    A string is refused (its letters would be the names), as onnxruntime's binding refuses it."""
+    A string, or a name that is no string, is refused (a TypeError, as onnxruntime's binding raised)."""
     if isinstance(names, (str, bytes)):
         raise TypeError(f"{what} must be a set or list of names, got {type(names).__name__} {names!r}")
-    return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
+    listed = list(names)
+    odd = [n for n in listed if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"{what} must hold names (str), got {type(odd[0]).__name__} {odd[0]!r}")
+    return sorted(listed) if isinstance(names, (set, frozenset)) else listed
 
 
 class GradientGraphBuilder:
@@ -32,7 +36,8 @@ class GradientGraphBuilder:
     output of the model does not become one). The backward pass starts from ``y_node_arg_names``:
     the one named ``loss_node_arg_name`` is seeded with ones, the others get their incoming gradient
     ``<y>_grad`` as a graph input (all of them when the loss name is empty or names no y, as
-    onnxruntime seeded only a y of that name). An ``x`` the ys do not depend on is an error. Example::
+    onnxruntime seeded only a y of that name), but for a y the loss is computed from: it takes the loss's
+    gradient alone, as there. An ``x`` the ys do not depend on is an error. Example::
 
         b = GradientGraphBuilder(model_bytes, {"loss"}, {"fc.weight", "fc.bias"}, "loss")
         b.build()
@@ -65,6 +70,16 @@ class GradientGraphBuilder:
         self._xs = _ordered(x_node_arg_names, "x_node_arg_names")
         if not self._ys:
             raise GradientError("y_node_arg_names is empty: give the values to differentiate")
+        twice = sorted({x for x in self._xs if self._xs.count(x) > 1})
+        if twice:
+            raise GradientError(f"x_node_arg_names lists {twice[0]!r} twice")
+        g = self._model.graph  # names checked here, as onnxruntime's constructor checked them
+        known = graph_values(g)
+        for what, names in (("y_node_arg_names", self._ys), ("x_node_arg_names", self._xs)):
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise GradientError(f"{what}: {unknown} are not values of the graph; graph outputs: "
+                                    f"{[o.name for o in g.output]}")
         self._loss = loss_node_arg_name
         self._options = options
         self._built: onnx.ModelProto | None = None
@@ -74,16 +89,12 @@ class GradientGraphBuilder:
         result)."""
         if self._built is not None:
             return
-        g = self._model.graph
-        known = graph_values(g)
-        for what, names in (("y_node_arg_names", self._ys), ("x_node_arg_names", self._xs)):
-            unknown = [n for n in names if n not in known]
-            if unknown:
-                raise GradientError(f"{what}: {unknown} are not values of the graph; graph outputs: "
-                                    f"{[o.name for o in g.output]}")
         seeded = self._loss in self._ys
         first = self._loss if seeded else self._ys[0]
-        others = [y for y in self._ys if y != first]
+        # a y that a node makes and the seeded loss is computed from takes the loss's gradient alone, with no
+        # '<y>_grad' input: onnxruntime's builder named its internal gradient so (a script feeds nothing)
+        feeds_loss = _computed_from(self._model.graph, first) if seeded else set()
+        others = [y for y in self._ys if y != first and y not in feeds_loss]
         # the one option of onnxruntime's GradientGraphConfiguration the builder has (invertible LayerNorm
         # gradients); read from the options object as TrainingParameters names it, or as the config did
         memory_efficient = any(bool(getattr(self._options, k, False)) for k in
@@ -134,6 +145,22 @@ def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: 
     others = [o for o in built.graph.output if o.name not in named] if keep_others else []
     del built.graph.output[:]
     built.graph.output.extend([*others, *kept, *grads])
+
+
+def _computed_from(graph: onnx.GraphProto, value: str) -> set[str]:
+    """The values that nodes of ``graph`` make and ``value`` is computed from (bodies' captures too)."""
+    maker = {o: n for n in graph.node for o in n.output if o}
+    seen: set[str] = set()
+    todo = [value]
+    while todo:
+        node = maker.get(todo.pop())
+        if node is None:
+            continue
+        for name in node_reads(node):
+            if name in maker and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
 
 
 def _external_folder(options: Any) -> str | None:
