@@ -371,7 +371,7 @@ class InferenceSession:
             self._enable_fallback = False  # (once, as onnxruntime)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
-        if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":  # (onnxruntime's switch)
+        if model_config_asked():  # (onnxruntime's switch)
             self._sess_options = options_from_model(self._sess_options, model)
         model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
         self._same_size = same_size_dims(model)
@@ -859,13 +859,23 @@ def options_from_model(options: Any, model: onnx.ModelProto) -> Any:
     return options
 
 
+def model_config_asked() -> bool:
+    """Whether the environment variable ORT_LOAD_CONFIG_FROM_MODEL asks sessions to take the options of a
+    model's ``ort_config``: "1"; unset, empty or "0" do not, and another value is refused, as onnxruntime
+    refuses to make any session then."""
+    value = os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL", "")
+    if value not in ("", "0", "1"):
+        raise FailValueError(f"environment variable ORT_LOAD_CONFIG_FROM_MODEL must be '0' or '1' (the only "
+                             f"values onnxruntime takes), got {value!r}")
+    return value == "1"
+
+
 def warn_unread_model_config(model: onnx.ModelProto) -> None:
     """A warning when ORT_LOAD_CONFIG_FROM_MODEL is 1 and the model carries session options (its metadata
     entry ``ort_config``): a training session does not apply them. onnxruntime-training 1.16.3's legacy
     TrainingSession read no model's options either: with the variable 1 it could not be created at all
     ("ModelProto needs to be parsed to check for ORT config within it")."""
-    if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1" and any(
-            p.key == "ort_config" for p in model.metadata_props):
+    if model_config_asked() and any(p.key == "ort_config" for p in model.metadata_props):
         warn("ORT_LOAD_CONFIG_FROM_MODEL=1: a TrainingSession does not apply the session options of the "
              "model's metadata entry ort_config (InferenceSession does; onnxruntime-training's legacy "
              "TrainingSession could not be created with the variable set); give them in sess_options")

@@ -1,7 +1,8 @@
 """``ORT_LOAD_CONFIG_FROM_MODEL=1`` and the legacy TrainingSession, against onnxruntime-training 1.16.3.
 
 onnxruntime reads the session options of a model's metadata entry ``ort_config`` when the environment
-variable is 1, in the InferenceSession constructor that is given the model. The legacy binding constructs
+variable is 1, in the InferenceSession constructor that is given the model (another value than 0 or 1 makes
+no session at all). The legacy binding constructs
 its TrainingSession without the model and loads it afterwards, so with the variable 1 its constructor
 refuses every model ("ModelProto needs to be parsed to check for ORT config within it", a RuntimeError),
 whether the model has an ``ort_config`` or not: the legacy session never applied a model's options.
@@ -25,26 +26,33 @@ import onnxtrain
 CONFIG = {"session_options": {"intra_op_num_threads": 1, "enable_profiling": 1}}
 
 PEER = r"""
-import json, sys
+import contextlib, io, json, os, sys
 import numpy as np
 import onnxruntime as ort
 ort.set_default_logger_severity(3)
 out = {}
-for name in ("with_config", "without_config"):
-    path = sys.argv[1] + "/" + name + ".onnx"
-    p = ort.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    p.optimizer_attributes_map = {"w": {}}
-    p.optimizer_int_attributes_map = {"w": {}}
-    try:
-        ort.TrainingSession(path, p, None, ["CPUExecutionProvider"])
-        out["train/" + name] = {"ok": True}
-    except Exception as e:
-        out["train/" + name] = {"error": type(e).__name__, "message": str(e)}
-    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    out["infer/" + name] = {"profiling": bool(s.get_session_options().enable_profiling)}
-    s.end_profiling()
+for value in ("1", "2"):
+    os.environ["ORT_LOAD_CONFIG_FROM_MODEL"] = value
+    for name in ("with_config", "without_config"):
+        path = sys.argv[1] + "/" + name + ".onnx"
+        p = ort.TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "SGDOptimizer"
+        p.optimizer_attributes_map = {"w": {}}
+        p.optimizer_int_attributes_map = {"w": {}}
+        for kind in ("train", "infer"):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # (its provider fallback prints)
+                    if kind == "train":
+                        s = ort.TrainingSession(path, p, None, ["CPUExecutionProvider"])
+                        out[f"{value}/{kind}/{name}"] = {"ok": True}
+                    else:
+                        s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+                        on = bool(s.get_session_options().enable_profiling)
+                        out[f"{value}/{kind}/{name}"] = {"profiling": on}
+                        s.end_profiling()
+            except Exception as e:
+                out[f"{value}/{kind}/{name}"] = {"error": type(e).__name__, "message": str(e)}
 print(json.dumps(out))
 """
 
@@ -83,11 +91,24 @@ def test_the_legacy_session_cannot_be_made_with_the_variable_in_1_16_3(models) -
 
     peer = run_script(PEER, models, python=ensure_ort_legacy())
     for name in ("with_config", "without_config"):
-        got = peer[f"train/{name}"]
+        got = peer[f"1/train/{name}"]
         assert got.get("error") == "RuntimeError", got
         assert "ModelProto needs to be parsed to check for ORT config" in got["message"], got
-    assert peer["infer/with_config"] == {"profiling": True}  # its InferenceSession applies the config
-    assert peer["infer/without_config"] == {"profiling": False}
+        for kind in ("train", "infer"):  # a value other than 0 and 1: no session at all
+            got = peer[f"2/{kind}/{name}"]
+            assert got.get("error") == "RuntimeError" and "ORT_LOAD_CONFIG_FROM_MODEL" in got["message"], got
+    assert peer["1/infer/with_config"] == {"profiling": True}  # its InferenceSession applies the config
+    assert peer["1/infer/without_config"] == {"profiling": False}
+
+
+def test_another_value_of_the_variable_is_refused_by_every_session(models, monkeypatch) -> None:
+    """As onnxruntime (1.16.3 above, and 1.32) makes no session when the variable is not 0 or 1."""
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "2")
+    path = os.path.join(models, "without_config.onnx")
+    for make in (lambda: onnxtrain.TrainingSession(path, _params()),
+                 lambda: onnxtrain.InferenceSession(path)):
+        with pytest.raises(RuntimeError, match="ORT_LOAD_CONFIG_FROM_MODEL must be '0' or '1'.*'2'"):
+            make()
 
 
 def test_onnxtrains_training_session_keeps_its_options_and_says_so(models) -> None:
