@@ -435,14 +435,14 @@ def _first_rank() -> bool:
     return world().rank == 0
 
 
-_SET_HELP = ("override a config value, e.g. --set training.epochs=5 --set optimizer.lr=3e-3 "
-             "(YAML syntax, checked like the file; repeatable)")
-_CKPT_HELP = "a checkpoint file, or a run folder (its latest checkpoint)"
+_SET_HELP = "override a config value, e.g. {} (YAML syntax, checked like the file; repeatable)"
+_CKPT_HELP = ("a run folder, its checkpoints folder or a .ckpt file (of a folder, the latest checkpoint; a "
+              "damaged one is passed over, with a warning, for the one before it)")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("config", help="the training configuration (YAML), e.g. configs/digits_mlp.yaml")
-    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help=_SET_HELP)
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help=_SET_HELP.format(example))
 
 
 def _recompute_flags(a: argparse.Namespace) -> dict | None:
@@ -611,16 +611,22 @@ def _parser() -> argparse.ArgumentParser:
                                     "config.yaml (the config as resolved), checkpoints, metrics.png and "
                                     "model.onnx to the output folder. Ctrl-C "
                                     "(or SIGTERM) stops between steps and saves a checkpoint there (exit "
-                                    "130; 143); --resume continues from the last checkpoint.")
-    _add_config_args(tr)
+                                    "130; 143); --resume continues from the last checkpoint.",
+                        epilog="Exit codes: 0 done; 2 a bad config or command line, refused before "
+                               "training (one line on stderr naming the key or file); 1 a failure while "
+                               "running, or a run whose final metrics are not finite (diverged); 130 "
+                               "Ctrl-C; 143 SIGTERM.")
+    _add_config_args(tr, "--set training.epochs=5 --set optimizer.lr=3e-3")
     tr.add_argument("--output-dir",
                     help="where the run's files go (default: output.dir, else runs/<config name>)")
     resume = tr.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
-                        help="continue from the last checkpoint in the output folder")
+                        help="continue from the last checkpoint in the output folder (a changed config "
+                             "key that changes the weights is allowed, and warned about)")
     resume.add_argument("--overwrite", action="store_true",
                         help="start over in an output folder that holds checkpoints of an earlier run, "
-                             "deleting them (without it such a folder is refused)")
+                             "deleting them and its metrics.png and model.onnx (without it such a folder is "
+                             "refused)")
     tr.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar and no per-eval lines (the final summary, warnings and errors "
                          "are still printed)")
@@ -628,7 +634,8 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="eval loss and accuracy of a checkpoint",
                         description="Score a checkpoint on the config's eval data (loss, and accuracy for "
                                     "class labels).")
-    _add_config_args(ev)
+    _add_config_args(ev, "--set training.eval_batch_size=256, and those the run was trained with (or give "
+                         "the run folder's config.yaml)")
     ev.add_argument("--checkpoint", required=True, help=_CKPT_HELP)
     ev.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     ev.set_defaults(fn=_eval)
@@ -636,7 +643,8 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write the config's model with a checkpoint's weights as an inference "
                                     "model (logits output, no loss or labels, BatchNormalization/Dropout in "
                                     "inference mode) that any ONNX runtime can load.")
-    _add_config_args(ex)
+    _add_config_args(ex, "--set model.args.sizes=[64,256,10]: those the run was trained with (or give the "
+                         "run folder's config.yaml)")
     ex.add_argument("--checkpoint", required=True, help=_CKPT_HELP)
     ex.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     ex.set_defaults(fn=_export)

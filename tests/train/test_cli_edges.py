@@ -4,6 +4,7 @@ config's length, and a run's own saved config.yaml."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -202,3 +203,37 @@ def test_train_help_names_every_file_a_run_writes(tmp_path, capsys):
     assert written == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png", "model.onnx"]
     for name in written:
         assert name in text, name
+
+
+def _help(*command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_eval_and_export_help_say_what_the_readme_says(tmp_path, capsys):
+    """eval/export --help said --checkpoint takes "a checkpoint file, or a run folder" (the README and the
+    code: its checkpoints folder too, and a damaged latest is passed over), and their --set example was
+    training.epochs, which neither reads. Each form the help names now scores the same checkpoint."""
+    out = tmp_path / "run"
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", str(out)]) == 0
+    (ckpt,) = [f for f in os.listdir(out / "checkpoints") if f.endswith(".ckpt")]
+    for command in ("eval", "export"):
+        text = _help(command, capsys=capsys)
+        assert "run folder, its checkpoints folder or a .ckpt file" in text, text
+        assert "training.epochs" not in text and "damaged" in text, text
+    scores = []
+    for form in (out, out / "checkpoints", out / "checkpoints" / ckpt):
+        assert main(["eval", config_path("digits_mlp"), "--checkpoint", str(form), "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out))
+    assert scores[0] == scores[1] == scores[2]
+
+
+def test_train_help_says_what_the_readme_says(tmp_path, capsys):
+    """train --help left out the exit codes of a bad config (2) and of a failure or divergence (1), that
+    --overwrite deletes the old metrics.png and model.onnx too, and that --resume warns about changed keys."""
+    text = _help("train", capsys=capsys)
+    for words in ("2 a bad config", "1 a failure while running", "not finite", "metrics.png and model.onnx",
+                  "warned about"):
+        assert words in text, (words, text)
+    assert main(["train", config_path("digits_mlp"), "--set", "training.batchsize=8"]) == 2
