@@ -386,6 +386,8 @@ def test_surface_against_1_16_3(both: dict[str, Any], case: str) -> None:
         assert p_fail is not None and OURS_ACCEPTS[case] in p_fail[1]["message"], (
             _show(p_fail[1]) if p_fail else "1.16.3 took it")
         assert o_fail is None, f"onnxtrain refused at {o_fail[0]}: {_show(o_fail[1])}"
+        if case.startswith(("model_as", "xs_as", "ys_as", "save_to", "build_twice")):  # the same model
+            _same_interface(both["peer"]["built_and_saved"]["calls"][1]["ok"], ours["calls"][-1]["ok"], case)
         return
     if case in OURS_REFUSES:
         assert p_fail is not None and o_fail is not None and OURS_REFUSES[case] in o_fail[1]["message"], (
