@@ -211,6 +211,18 @@ def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndar
     save_model_sized(m, path, arrays=arrays)
 
 
+def _plain_log_labels() -> type:
+    """A log-axis tick formatter that labels the ticks matplotlib's would, as plain numbers (2.45, 0.2), not
+    as 2.45×10⁰."""
+    from matplotlib import ticker
+
+    class PlainLogFormatter(ticker.LogFormatterSciNotation):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    return PlainLogFormatter
+
+
 def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
     """Train/eval loss and eval accuracy against step, as a PNG (matplotlib, Agg backend)."""
     import matplotlib
@@ -235,6 +247,9 @@ def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
     finite = [v for _, v in train if v == v and abs(v) != float("inf")]
     if finite and min(finite) > 0:
         ax.set_yscale("log")
+        plain = _plain_log_labels()
+        ax.yaxis.set_major_formatter(plain())
+        ax.yaxis.set_minor_formatter(plain(labelOnlyBase=False))
     ax.legend()
     ax.grid(alpha=0.3)
     if acc:

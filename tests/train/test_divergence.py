@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+import pytest
+
 from onnxtrain.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,3 +51,33 @@ def test_the_plot_takes_metrics_read_back_with_nulls(tmp_path) -> None:
                {"step": 2, "eval_loss": None, "eval_accuracy": 0.1}]
     plot_metrics(records, str(tmp_path / "m.png"), "diverged")
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("losses", [np.linspace(2.5, 2.2, 30), np.geomspace(2.3, 0.2, 30)])
+def test_the_plots_log_axis_labels_plain_numbers(tmp_path, monkeypatch, losses):
+    """A run's loss axis is logarithmic; over less than a decade (any short run) matplotlib's labels read
+    2.45×10⁰, 2.5×10⁰, ... and 2×10⁻¹ over a few. They are now the numbers as written, 2.45, 0.2, at the
+    ticks matplotlib chose to label."""
+    import matplotlib.figure
+
+    from onnxtrain.train.outputs import plot_metrics
+
+    seen = {}
+
+    def savefig(fig, *args, **kwargs):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        seen["labels"] = [(t.get_text(), v) for minor in (False, True)
+                          for t, v in zip(ax.get_yticklabels(minor=minor), ax.get_yticks(minor=minor))
+                          if t.get_text()]
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    records = [{"step": i + 1, "loss": float(v)} for i, v in enumerate(losses)]
+    records += [{"step": 30, "eval_loss": float(losses[-1]), "eval_accuracy": 0.5}]
+    plot_metrics(records, str(tmp_path / "m.png"), "run")
+    labels = seen["labels"]
+    assert len(labels) >= 3, labels
+    low, high = losses.min(), losses.max()
+    assert any(low <= v <= high for _, v in labels), labels  # (a label within the data's range)
+    for text, value in labels:
+        assert float(text.replace("\N{MINUS SIGN}", "-")) == pytest.approx(value, rel=1e-9), (text, value)
