@@ -85,6 +85,10 @@ def build_model(cfg: Config) -> onnx.ModelProto:
             model = onnx.load(m.path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad model file
             raise ConfigError("model.path", f"cannot read {m.path} as an ONNX model: {e}") from None
+        g = model.graph
+        if not (g.node or g.input or g.output):  # (an empty file parses as an empty ModelProto)
+            raise ConfigError("model.path", f"{m.path} is not an ONNX model (no graph nodes, inputs or "
+                                            "outputs)")
     names = _values(model)
     outputs = [o.name for o in model.graph.output]
     if m.logits not in names:

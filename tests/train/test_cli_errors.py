@@ -581,3 +581,18 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x07"])
+def test_an_empty_model_file_is_named_as_such(tmp_path, capsys, content):
+    """An empty .onnx (a failed download, a torch export that died) parses as an empty ModelProto: the run
+    said "model.logits: 'logits' is not a value of the model; outputs: []", blaming the key. It now says
+    that model.path is not an ONNX model, as `onnxtrain info` does (exit 2, before any folder is made)."""
+    bad = tmp_path / "empty.onnx"
+    bad.write_bytes(content)
+    out = tmp_path / "run"
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir", str(out),
+                                      "--set", f"model={{path: {bad}}}", "--set", "training.steps=2"])
+    assert code == 2 and "model.path: " in line and f"{bad} is not an ONNX model (no graph" in line, line
+    assert onnx.load(str(bad)).graph.ByteSize() == 0  # the oracle: onnx reads the file as an empty model
+    assert not out.exists()
