@@ -220,8 +220,21 @@ def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
     if shapes:
         problems.append(f"shapes differ: {_few(shapes, quote=False)}")
     if problems:
-        raise ConfigError("", f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}")
+        raise ConfigError("", f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}"
+                              f"{_own_config_hint(cfg, path)}")
     return model, weights
+
+
+def _own_config_hint(cfg: Config, checkpoint: str) -> str:
+    """"; give the run's own config, <run>/config.yaml ..." when ``checkpoint`` is in a run folder whose saved
+    config is not the one given (a run trained with --set values, evaluated with the file alone), else ""."""
+    import os
+
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+    own = os.path.join(folder, "config.yaml")
+    if not os.path.isfile(own) or (cfg.source and os.path.realpath(cfg.source) == os.path.realpath(own)):
+        return ""
+    return f"; give the run's own config, {own}, which holds the values it trained with"
 
 
 def _whole_checkpoint(paths: list[str]) -> str:

@@ -3,6 +3,7 @@ bad command line or config, 1 for a failure while running; and the wording of a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import typing
@@ -596,3 +597,29 @@ def test_an_empty_model_file_is_named_as_such(tmp_path, capsys, content):
     assert code == 2 and "model.path: " in line and f"{bad} is not an ONNX model (no graph" in line, line
     assert onnx.load(str(bad)).graph.ByteSize() == 0  # the oracle: onnx reads the file as an empty model
     assert not out.exists()
+
+
+def test_eval_of_a_run_trained_with_set_values_points_at_its_config_yaml(tmp_path, capsys):
+    """A run trained with --set model.args.sizes=... and then evaluated (or exported) with the config file
+    alone was refused with the shapes that differ and nothing on what to do; the error now names the run's
+    own config.yaml, which holds the values it trained with, and that one scores the checkpoint as numpy
+    does on onnxruntime's logits of the exported model."""
+    import onnxruntime
+
+    from onnxtrain.data import load_digits
+
+    out = tmp_path / "run"
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", str(out), "--set",
+                 "model.args.sizes=[64,24,10]", "--set", "training.steps=30"]) == 0
+    own = out / "config.yaml"
+    for command in (["eval"], ["export", "-o", str(tmp_path / "m.onnx")]):
+        capsys.readouterr()
+        code, line = _error_line(capsys, [*command, config_path("digits_mlp"), "--checkpoint", str(out)])
+        assert code == 2 and "shapes differ" in line and f"the run's own config, {own}" in line, line
+    capsys.readouterr()
+    assert main(["eval", str(own), "--checkpoint", str(out), "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    _, test = load_digits()
+    sess = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = sess.run(None, {"x": test.x})[0]
+    assert scored["eval_accuracy"] == (logits.argmax(axis=1) == test.y).mean()
