@@ -624,8 +624,10 @@ class Trainer:
         rng = data_mod.order_rng(self.cfg.training.seed)
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
+        self.resumed_at = None  # the step a resumed run continues from
         if resume:
             st, last_ckpt = self._restore_whole([p for _, p in found])
+            self.resumed_at = st.global_step
             rng = data_mod.rng_from_str(st.epoch_rng)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):
@@ -777,6 +779,13 @@ class Trainer:
             weights = self.weights() if main or self.split > 1 else {}  # (split: gathered on every rank)
             if main:
                 export_model(self.model, self.cfg, weights, exported)
+        if main and self.resumed_at is not None and st.global_step > self.resumed_at:
+            for name, key, written in (("model.onnx", "output.export", self.cfg.output.export),
+                                       ("metrics.png", "output.plot", self.cfg.output.plot)):
+                if not written and os.path.isfile(os.path.join(self.out, name)):
+                    print(f"onnxtrain: warning: {os.path.join(self.out, name)} is of an earlier step of this "
+                          f"run, not of step {st.global_step}: {key} is false, so it was not replaced",
+                          file=sys.stderr)
         if self.cfg.output.plot and main:
             try:
                 plot_metrics(_read_records(self.metrics_path), os.path.join(self.out, "metrics.png"),

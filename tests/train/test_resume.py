@@ -432,3 +432,35 @@ def test_a_repeated_sigterm_is_one_stop_request_a_later_one_a_second(monkeypatch
             deliver(signal.SIGTERM)
         assert e.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_resumed_run_without_export_or_plot_says_the_old_ones_are_stale(tmp_path, capsys):
+    """A finished run resumed for more steps with output.export and output.plot false left the model.onnx
+    and metrics.png of its first part beside checkpoints of later steps, unmentioned (the summary just
+    left them out). It now warns that they are of an earlier step; the model's weights are indeed the first
+    part's last checkpoint's, not the final one's."""
+    out = str(tmp_path / "run")
+    sets = ["--set", "training.keep_checkpoints=0", "--set", "training.checkpoint_every=1000"]
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, *sets, "--set",
+                 "training.steps=3"]) == 0
+    capsys.readouterr()
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--resume", *sets, "--set",
+                 "training.steps=5", "--set", "output.export=false", "--set", "output.plot=false"]) == 0
+    err = capsys.readouterr().err
+    for name, key in (("model.onnx", "output.export"), ("metrics.png", "output.plot")):
+        (line,) = [x for x in err.splitlines() if name in x]
+        assert "warning" in line and "earlier step" in line and key in line and "step 5" in line, line
+    model = onnx.load(os.path.join(out, "model.onnx"))
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    (s3, p3), (s5, p5) = list_checkpoints(out)
+    assert (s3, s5) == (3, 5)
+    at3, at5 = load_checkpoint(p3).trainable, load_checkpoint(p5).trainable
+    assert all(np.array_equal(weights[k], at3[k]) for k in at3)
+    assert not all(np.array_equal(weights[k], at5[k]) for k in at5)
+    # resumed again with nothing left to train: the files are those of the final weights, no warning
+    capsys.readouterr()
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--resume", *sets, "--set",
+                 "training.steps=5"]) == 0
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--resume", *sets, "--set",
+                 "training.steps=5", "--set", "output.export=false", "--set", "output.plot=false"]) == 0
+    assert "earlier step" not in capsys.readouterr().err
