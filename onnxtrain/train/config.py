@@ -436,6 +436,8 @@ def builder_signature(name: str) -> dict[str, tuple[Any, Any]]:
 
 def _resolve(cfg: Config, rel: str, key: str, exts: tuple[str, ...]) -> str:
     path = os.path.normpath(os.path.join(cfg.base_dir, os.path.expanduser(rel)))
+    if os.path.isdir(path):
+        raise ConfigError(key, f"{path} is a folder, not a file")
     if not os.path.isfile(path):
         here = os.path.abspath(os.path.expanduser(rel))
         hint = (f" (paths are relative to the config's folder, in --set too; for the file in the working "

@@ -623,3 +623,18 @@ def test_eval_of_a_run_trained_with_set_values_points_at_its_config_yaml(tmp_pat
     sess = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     logits = sess.run(None, {"x": test.x})[0]
     assert scored["eval_accuracy"] == (logits.argmax(axis=1) == test.y).mean()
+
+
+@pytest.mark.parametrize("key", ["data.path", "model.path"])
+def test_a_folder_given_for_a_file_is_called_a_folder(tmp_path, capsys, key):
+    """model.path or data.path naming a folder (`--set data.path=.`, a run folder for its model) said
+    "file not found: <the folder>", which is there; it now says it is a folder."""
+    (tmp_path / "stuff").mkdir()
+    np.savez(tmp_path / "d.npz", x=np.zeros((8, 64), np.float32), y=np.zeros(8, np.int64))
+    model = {"path": "stuff"} if key == "model.path" else {"builder": "mlp", "args": {"sizes": [64, 10]}}
+    data = {"source": "files", "path": "stuff" if key == "data.path" else "d.npz",
+            "feeds": {"x": "x", "y": "y"}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": model, "data": data, "training": {"steps": 1}}))
+    code, line = _error_line(capsys, ["train", str(config), "-q", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and f"{key}: {tmp_path / 'stuff'} is a folder, not a file" in line, line
