@@ -23,6 +23,7 @@ from onnxtrain.engine.affinity import caller_cpu, placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_now, donated_slots, donating, reusable_inputs
+from onnxtrain.engine.exact_rounding import round_deciding_steps
 from onnxtrain.engine.failure_classes import node_failure_class
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
     MAX_PROFILE_EVENTS,
@@ -203,6 +204,7 @@ class Plan(GraphInterface):
                 f"{', '.join(available_ops() + available_domain_ops())}"
             )
         self._check_produced(raw_steps, slot, g, init_names)
+        raw_steps = round_deciding_steps(raw_steps)
         self.slot = slot
         self.n_slots = len(slot)
         self.steps = [

@@ -13,6 +13,7 @@ import numpy as np
 from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
+from onnxtrain.engine.exact_rounding import rounds_exactly
 from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, release_ended, run_group
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.gemm import matmul_product_side
@@ -166,6 +167,7 @@ def _fusable(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept: se
             and st.node.domain in DEFAULT_DOMAINS
             and all(s >= 0 for s in st.outputs)
             and not is_memoized(st)
+            and not rounds_exactly(st.fn)
         )
         if (st.node.op_type == "Relu" and len(st.inputs) != 1) or k in bias_adds:
             ok = False
