@@ -218,7 +218,7 @@ def test_the_config_table_lists_every_key() -> None:
               ("optimizer", c.OptimizerConfig, "clip_grad_norm", "`clip_grad_norm` (null: off)", None),
               ("schedule", c.ScheduleConfig, "kind", "`cosine`; `constant`)", "constant"),
               ("schedule", c.ScheduleConfig, "warmup_steps", "`warmup_steps` (0)", 0),
-              ("schedule", c.ScheduleConfig, "final_lr_ratio", "`final_lr_ratio` (0)", 0),
+              ("schedule", c.ScheduleConfig, "final_lr_ratio", "`final_lr_ratio` (0;", 0),
               ("training", c.TrainingConfig, "seed", "`seed` (0)", 0),
               ("training", c.TrainingConfig, "backend", "`onnxruntime`; `numpy`)", "numpy"),
               ("training", c.TrainingConfig, "gradient_accumulation_steps",
