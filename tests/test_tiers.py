@@ -67,3 +67,30 @@ def test_every_layer_is_exported_by_dynamo_in_either_suite(value: str, monkeypat
     assert in_dynamic == (wanted if value == "1" else wanted & DEFAULT_DYNAMO)
     assert wanted <= in_dynamic | in_static
     assert not in_dynamic & in_static  # each one export, not both
+
+
+@pytest.mark.parametrize("strength", [1, 2])
+def test_covering_keeps_every_value_or_pair_in_the_default_and_every_case_in_all(strength: int) -> None:
+    import itertools
+
+    from tests.tiers import covering
+
+    factors = [[("a", 0), ("b", 1), ("c", 2)], ["x", "y"], [1, 2, 3, 4], [None, True]]
+    params = covering(*factors, strength=strength)
+    every = [tuple(v for value in combo for v in (value if isinstance(value, tuple) else (value,)))
+             for combo in itertools.product(*factors)]
+    assert [p.values for p in params] == every  # every case once, in product order, tuples spread
+    default = [p.values for p in params if not p.marks]
+    assert all([m.name for m in p.marks] == ["extended"] for p in params if p.marks)
+    assert default == [p.values for p in covering(*factors, strength=strength) if not p.marks]
+    columns = [[0, 1], [2], [3], [4]]  # each factor's places in a case
+
+    def value(case: tuple, k: int) -> tuple:
+        return tuple(case[i] for i in columns[k])
+
+    for a, b in itertools.combinations(range(len(factors)), strength) if strength == 2 else ():
+        wanted = {(value(c, a), value(c, b)) for c in every}
+        assert {(value(c, a), value(c, b)) for c in default} == wanted, (a, b)
+    for k in range(len(factors)):
+        assert {value(c, k) for c in default} == {value(c, k) for c in every}, k
+    assert len(default) == (4 if strength == 1 else 12)  # the sizes of the smallest such sets here

@@ -20,6 +20,7 @@ from onnx import helper, numpy_helper
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.ir.builder import make_model
 from tests.session.helpers import params
+from tests.tiers import covering
 
 torch = pytest.importorskip("torch")
 
@@ -343,10 +344,11 @@ def _maps(trained: list[str], f: dict, i: dict) -> dict:
             "optimizer_int_attributes_map": {w: dict(i) for w in trained}}
 
 
-@pytest.mark.parametrize("kind", ["mlp", "bn", "ln", "emb"])
-@pytest.mark.parametrize("opt,f,i", OPT_CASES)
-# (the session counts auto mode's micro-steps alike on both backends)
-@pytest.mark.parametrize("backend,mode", [("numpy", "legacy"), ("numpy", "auto"), ("onnxruntime", "legacy")])
+# (the session counts auto mode's micro-steps alike on both backends; by default every pair of an optimizer
+# case, a model and a backend/mode runs, tests/tiers.py)
+@pytest.mark.parametrize("backend,mode,opt,f,i,kind", covering(
+    [("numpy", "legacy"), ("numpy", "auto"), ("onnxruntime", "legacy")], OPT_CASES,
+    ["mlp", "bn", "ln", "emb"]))
 def test_accumulation_clipping_lr_schedule(backend, kind, opt, f, i, mode):
     """Optimizer attributes × 3 accumulation steps (legacy protocol and auto) × clipping (a small
     max_norm_clip, so it clips) × a learning rate changed every update."""
@@ -414,10 +416,9 @@ MP_OPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["bn", "ln", "emb"])
-@pytest.mark.parametrize("opt,f,i", MP_OPT_CASES)
-@pytest.mark.parametrize("backend,steps,clip", [("numpy", 1, True), ("numpy", 2, True), ("numpy", 2, False),
-                                                ("onnxruntime", 2, True)])
+@pytest.mark.parametrize("backend,steps,clip,opt,f,i,kind", covering(
+    [("numpy", 1, True), ("numpy", 2, True), ("numpy", 2, False), ("onnxruntime", 2, True)], MP_OPT_CASES,
+    ["bn", "ln", "emb"]))
 def test_mixed_precision_static_scale_with_overflow(backend, kind, opt, f, i, steps, clip):
     """Mixed precision × optimizer × accumulation × clipping, static loss scales with one overflowing
     micro-step: its update is skipped (weights, moments, counters kept) and its accumulated gradients
@@ -489,9 +490,8 @@ def test_mixed_precision_dynamic_scale_state_round_trip_after_skip(backend, tmp_
     assert 1 <= skipped < 10 and len(sessions) == 3
 
 
-@pytest.mark.parametrize("mode", ["legacy", "auto"])
-@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,opt,mode", covering(BACKENDS, ["AdamOptimizer", "LambOptimizer"],
+                                                      ["legacy", "auto"]))
 def test_state_load_and_evaluation_mid_accumulation(backend, mode, opt):
     """In the middle of a 3-step accumulation: evaluation runs (forward only, a path-only fetch of the loss
     and of an output without the labels) change nothing, and load_state of other weights keeps the gradients
@@ -578,11 +578,9 @@ def test_gradient_outputs_with_accumulation(backend, mp):
             assert_state(sess, ref, rtol=2e-2 if mp else 1e-4, atol=3e-3 if mp else 1e-5)
 
 
-@pytest.mark.parametrize("opt,f", [("LambOptimizer", {"lambda": 0.01, "max_norm_clip": 0.05}),
-                                   ("AdamOptimizer", {"max_norm_clip": 0.05}),
-                                   ("SGDOptimizer", {})])
-@pytest.mark.parametrize("select", ["to_train", "not_to_train"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opt,f,select,backend", covering(
+    [("LambOptimizer", {"lambda": 0.01, "max_norm_clip": 0.05}), ("AdamOptimizer", {"max_norm_clip": 0.05}),
+     ("SGDOptimizer", {})], ["to_train", "not_to_train"], BACKENDS))
 def test_frozen_weights_with_accumulation_and_clipping(backend, opt, f, select):
     """weights_to_train / weights_not_to_train × accumulation × clipping: the global norm and the update cover
     the trained weights only; the frozen ones keep their values (and evaluations read them)."""
@@ -610,14 +608,14 @@ def test_frozen_weights_with_accumulation_and_clipping(backend, opt, f, select):
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("recompute", [
+# by default each option set once, on alternate backends (the bfloat16 one, last, on numpy: tests/tiers.py)
+@pytest.mark.parametrize("recompute,backend", covering([
     {"gelu_recompute": True}, {"recompute_checkpoints": ["n"]},
     {"gelu_recompute": True, "use_mixed_precision": True},
     {"gelu_recompute": True, "use_memory_efficient_gradient": True},
     {"recompute_checkpoints": ["h"], "use_memory_efficient_gradient": True, "use_mixed_precision": True},
     {"gelu_recompute": True, "use_mixed_precision": True, "mixed_precision_dtype": "bfloat16"},
-])
-@pytest.mark.parametrize("backend", BACKENDS)
+], ["onnxruntime", "numpy"], strength=1))
 def test_recompute_with_accumulation_and_clipping(backend, recompute):
     """Recompute options × Adam × accumulation × clipping: the same steps as the reference."""
     kind, opt = "ln", "AdamOptimizer"
@@ -654,9 +652,7 @@ PER_WEIGHT = {  # biases and norms without weight decay, the rest with; clips an
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("steps", [1, 3])
-@pytest.mark.parametrize("cpu_adam", [False, True])
+@pytest.mark.parametrize("cpu_adam,steps,backend", covering([False, True], [1, 3], BACKENDS))
 def test_adam_per_weight_attributes_accumulation_and_loaded_counts(backend, steps, cpu_adam):
     """Adam with attributes that differ by weight (decay, mode, bias correction, betas, max_norm_clip) ×
     accumulation × legacy_cpu_adam (no clipping) × a loaded state whose step counts differ by weight
@@ -779,9 +775,8 @@ def test_accumulation_protocol_ignored_updates_every_run_by_mean(backend, opt):
         assert_state(sess, ref)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("steps", [1, 3])
-@pytest.mark.parametrize("fetch", ["W1_grad", "global_gradient_norm"])
+@pytest.mark.parametrize("fetch,steps,backend", covering(["W1_grad", "global_gradient_norm"], [1, 3],
+                                                         BACKENDS))
 def test_batch_norm_statistics_on_path_runs(backend, steps, fetch):
     """A bias-free layer followed by BatchNormalization × accumulation × set_gradients_as_graph_outputs: a run
     with only_execute_path_to_fetches that fetches gradients (or their norm) runs the forward in training
@@ -820,10 +815,9 @@ def test_batch_norm_statistics_on_path_runs(backend, steps, fetch):
         assert_state(sess, ref)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("recompute", [{"recompute_checkpoints": ["h"]},
-                                       {"recompute_checkpoints": ["h"], "use_mixed_precision": True}])
-@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("steps,recompute,backend", covering(
+    [1, 2], [{"recompute_checkpoints": ["h"]}, {"recompute_checkpoints": ["h"], "use_mixed_precision": True}],
+    BACKENDS))
 def test_recompute_through_batch_norm(backend, recompute, steps):
     """recompute_checkpoints that make the backward pass rebuild a training-mode BatchNormalization × Adam ×
     accumulation (× mixed precision): the session builds on both backends (the rebuilt node keeps the running
