@@ -14,6 +14,7 @@ from onnx import helper
 from onnxtrain import InferenceSession, SessionOptions
 from onnxtrain.ir.builder import make_model
 from tests.engine.random_graphs import RandomGraph, as_float64, check_graph, oracles, random_graph
+from tests.tiers import covering
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -42,8 +43,9 @@ def _laid_out(a: np.ndarray, layout: str) -> np.ndarray:
     raise AssertionError(layout)
 
 
-@pytest.mark.parametrize("layout", ["fortran", "reversed", "strided"])
-@pytest.mark.parametrize("aliased", ["input", "Reshape", "Identity"])
+# by default each alias and each layout once (tests/tiers.py); every pair with ONNXTRAIN_FULL_TESTS=1
+@pytest.mark.parametrize("aliased,layout", covering(["input", "Reshape", "Identity"],
+                                                    ["fortran", "reversed", "strided"], strength=1))
 def test_an_output_reading_a_converted_feed_keeps_its_values(layout: str, aliased: str) -> None:
     """A graph input that is also a graph output (or whose Reshape/Identity is one), fed as an array the
     backend must make C-contiguous: onnxruntime's output is a view of the bound input, and that was the
