@@ -17,6 +17,7 @@ from onnxtrain import InferenceSession, TrainingSession, locks
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
 from tests.session.helpers import backend_options, batches, mlp_model, params
+from tests.tiers import covering
 
 NAMES = ("W1", "b1", "W2", "b2")
 
@@ -61,8 +62,10 @@ def _one(kind: str, backend: str, art) -> list[object]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors and threads in /proc")
-@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
-@pytest.mark.parametrize("kind", ["inference", "legacy", "ondevice"])
+# by default each kind once, the onnxruntime backend's resources with two of them; every pair with
+# ONNXTRAIN_FULL_TESTS=1 (tests/tiers.py)
+@pytest.mark.parametrize("kind,backend", covering(["inference", "legacy", "ondevice"],
+                                                  ["onnxruntime", "numpy"], strength=1))
 def test_dropped_sessions_leave_nothing_behind(kind, backend, art) -> None:
     for _ in range(2):  # warm-up: imports, the engine's shared workers, onnxruntime's environment
         _one(kind, backend, art)
