@@ -21,6 +21,7 @@ from onnx import TensorProto
 from onnxtrain import GradientGraphBuilder, InferenceSession
 from tests.engine.random_models import _options, legacy_session, make_case, rel
 from tests.engine.random_stacks import make_stack
+from tests.tiers import extended
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -87,22 +88,36 @@ def _tol(case) -> float:
 # dumps with gradients failed to run there)
 SAMPLE = [("model", 8), ("model", 11), ("model", 6), ("stack", 0), ("model", 17), ("model", 22),
           ("model", 31)]
+# the default suite runs each model with two of the configs, each config with two models or more (the
+# recompute ones with the attention models); ONNXTRAIN_FULL_TESTS=1 runs every pair (tests/tiers.py)
+DEFAULT_CONFIGS = {
+    ("model", 8): ("adam_recompute", "sgd_grads_accumulate"), ("model", 11): ("sgd", "adam_accumulate"),
+    ("model", 6): ("adam", "sgd_grads_accumulate"), ("stack", 0): ("adam_recompute", "lamb"),
+    ("model", 17): ("adam", "sgd_grads_accumulate"), ("model", 22): ("lamb", "adam_accumulate"),
+    ("model", 31): ("sgd", "adam_recompute"),
+}
 
 
-@pytest.mark.parametrize(("kind", "seed"), SAMPLE)
-def test_session_dumps_run_in_onnxruntime(kind: str, seed: int, tmp_path) -> None:
+def _dump_params() -> list:
+    cases = [(kind, seed, label) for kind, seed in SAMPLE for label in CONFIGS]
+    return [pytest.param(*c, id="-".join(map(str, c))) if c[2] in DEFAULT_CONFIGS[c[:2]]
+            else extended(*c, id="-".join(map(str, c))) for c in cases]
+
+
+@pytest.mark.parametrize(("kind", "seed", "label"), _dump_params())
+def test_session_dumps_run_in_onnxruntime(kind: str, seed: int, label: str, tmp_path) -> None:
     case = _case(kind, seed)
     feed = {**case.feeds[0], "Learning_Rate": np.array([0.01], np.float32)}
-    for label, (opt, params) in CONFIGS.items():
-        paths = {d: str(tmp_path / f"{label}_{d}.onnx") for d in DUMPS}
-        so = _options("numpy")
-        so.optimized_model_filepath = paths[DUMPS[3]]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # recompute options that select nothing
-            legacy_session(case, "numpy", opt, options=so, **params, **{d: paths[d] for d in DUMPS[:3]})
-        for d, path in paths.items():
-            assert os.path.exists(path), (label, d)
-            check_portable(onnx.load(path), feed, _tol(case), f"{case.describe()} {label} {d}")
+    opt, params = CONFIGS[label]
+    paths = {d: str(tmp_path / f"{label}_{d}.onnx") for d in DUMPS}
+    so = _options("numpy")
+    so.optimized_model_filepath = paths[DUMPS[3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # recompute options that select nothing
+        legacy_session(case, "numpy", opt, options=so, **params, **{d: paths[d] for d in DUMPS[:3]})
+    for d, path in paths.items():
+        assert os.path.exists(path), (label, d)
+        check_portable(onnx.load(path), feed, _tol(case), f"{case.describe()} {label} {d}")
 
 
 @pytest.mark.parametrize(("kind", "seed"), [*SAMPLE, ("model", 1), ("model", 5), ("model", 90)])
