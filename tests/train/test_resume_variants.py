@@ -19,6 +19,7 @@ from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.train import Trainer, load_config
 from onnxtrain.train import loop as loop_mod
 from onnxtrain.train.outputs import list_checkpoints
+from tests.tiers import extended
 from tests.train.conftest import config_path
 
 # checkpoints at every step, so that a stop can come anywhere; evals and log lines at odd intervals
@@ -94,7 +95,12 @@ def _metrics(folder: str) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in f]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the transformer's mixed-precision and onnxruntime cases only in the full suite (tests/tiers.py): those
+# options resume in the MLP and CNN cases, the transformer and its sequence data in its end-of-epoch case
+EXTENDED = {"transformer mixed precision", "transformer onnxruntime"}
+
+
+@pytest.mark.parametrize("case", [extended(c, id=c) if c in EXTENDED else c for c in CASES])
 def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, case):
     name, sets, stop = CASES[case]
     if "training.backend=onnxruntime" in sets:
