@@ -13,6 +13,7 @@ from onnx import numpy_helper
 
 import onnxtrain
 from tests import models
+from tests.tiers import covering
 
 RTOL, ATOL = 1e-5, 2e-6
 BATCHES = (3, 8)
@@ -32,8 +33,13 @@ def exported(name: str, training: bool, with_loss: bool = False):
     return models.export(name, training=training, with_loss=with_loss, dropout=0.0 if training else None)
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("name", ALL)
+def _mode_id(value: object) -> str | None:
+    return {False: "eval", True: "train"}.get(value) if isinstance(value, bool) else None
+
+
+# by default each model in one mode here and in the other in test_loss_graph_matches, both modes in each
+# with ONNXTRAIN_FULL_TESTS=1 (tests/tiers.py)
+@pytest.mark.parametrize("name,training", covering(ALL, [False, True], strength=1), ids=_mode_id)
 def test_matches_onnxruntime(name: str, training: bool) -> None:
     model, _, module = exported(name, training)
     ours = onnxtrain.InferenceSession(model.SerializeToString())
@@ -50,8 +56,7 @@ def test_matches_onnxruntime(name: str, training: bool) -> None:
         np.testing.assert_allclose(got[0], models.torch_forward(module, feeds), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name,training", covering(ALL, [True, False], strength=1), ids=_mode_id)
 def test_loss_graph_matches(name: str, training: bool) -> None:
     model, _, module = exported(name, training, with_loss=True)
     assert [o.name for o in model.graph.output] == ["loss"]
