@@ -73,12 +73,36 @@ def batch_split_mode(options: Any) -> str:
 
 
 _ort_ready: list[bool] = []  # [True] once import_onnxruntime has passed on the settings made before it
+# onnxruntime's switch for its telemetry (1.32 starts a OneDS event uploader on Linux when imported), read
+# once, when onnxruntime is imported
+TELEMETRY_ENV = "ORT_DISABLE_TELEMETRY"
+
+
+def load_onnxruntime() -> Any:
+    """``import onnxruntime`` with its telemetry off unless the environment sets ``ORT_DISABLE_TELEMETRY``
+    (the process's environment is left as it was). onnxruntime 1.32's event uploader holds 2.0-2.5 MiB of
+    RSS and a thread from the import on, and starts three more threads now and then to send its events
+    (the backend's LeNet step: peak RSS 93.6 -> 91.7 MiB, bench/HISTORY.md 2026-12-07). No effect once
+    onnxruntime is imported; ImportError when it is not installed."""
+    import os
+    import sys
+
+    ours = "onnxruntime" not in sys.modules and TELEMETRY_ENV not in os.environ
+    if ours:
+        os.environ[TELEMETRY_ENV] = "1"
+    try:
+        import onnxruntime
+    finally:
+        if ours:
+            os.environ.pop(TELEMETRY_ENV, None)
+    return onnxruntime
 
 
 def import_onnxruntime() -> Any:
-    """The ``onnxruntime`` module; ImportError with the install command when it is missing."""
+    """The ``onnxruntime`` module (:func:`load_onnxruntime`); ImportError with the install command when it
+    is missing."""
     try:
-        import onnxruntime
+        onnxruntime = load_onnxruntime()
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from e
     from onnxtrain.capi.runtime_info import apply_logger_settings

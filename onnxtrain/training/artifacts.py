@@ -105,6 +105,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
 from onnxtrain.autodiff.exporter_checks import export_hint
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
+from onnxtrain.engine.backends import load_onnxruntime
 from onnxtrain.engine.feed_sizes import SAME_SIZE_KEY
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import program_hint
@@ -440,6 +441,7 @@ def _stage_ort_format(files: StagedFiles, models: dict[str, onnx.ModelProto], fo
     converter as onnxruntime-training made them, and staged with the other files; without onnxruntime
     installed, a warning (the .onnx files are written)."""
     try:
+        load_onnxruntime()  # telemetry off, as the backend imports it
         from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
     except ImportError as e:
         warn(f"ort_format=True: the .ort files need onnxruntime's converter, which cannot be imported ({e}); "
@@ -890,6 +892,7 @@ def __getattr__(name: str) -> Any:
     (and ported scripts may import from there): onnxruntime's own objects, when it is installed."""
     if name in _CONVERTER_NAMES:
         try:
+            load_onnxruntime()
             from onnxruntime.tools import convert_onnx_models_to_ort as tool
         except ImportError:
             raise AttributeError(f"artifacts.{name} is onnxruntime's ORT-format converter; install "
