@@ -22,6 +22,7 @@ from onnxtrain.graph_transforms.recompute import (
     transformer_layer_recompute,
 )
 from tests.graph_transforms import nets
+from tests.tiers import covering
 
 STRATEGIES = {
     "gelu": dict(gelu=True),
@@ -49,8 +50,9 @@ def _assert_recomputed(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
     assert any(o.endswith("_recompute") for n in after.graph.node for o in n.output)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("name", ["gpt", "bert"])
+# by default each strategy once, on the two models in turn; on both with ONNXTRAIN_FULL_TESTS=1
+# (tests/tiers.py)
+@pytest.mark.parametrize("strategy,name", covering(list(STRATEGIES), ["gpt", "bert"], strength=1))
 def test_bit_identical_and_smaller(name: str, strategy: str) -> None:
     model, feeds = (nets.gpt(3, dropout=0.1), nets.gpt_feeds(8)) if name == "gpt" else (
         nets.bert(3, dropout=0.1), nets.bert_feeds(16))
