@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession
 from tests.session.helpers import backend_options
+from tests.tiers import covering
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -285,8 +286,10 @@ class _OtherRnn(torch.nn.Module):
         return F.cross_entropy(self.fc(out.mean(1)), y)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
-@pytest.mark.parametrize("kind", ["gru_bidirectional", "lstm_2_layers_bidirectional", "rnn_relu"])
+# by default each layer once, on the two backends in turn; on both with ONNXTRAIN_FULL_TESTS=1
+# (tests/tiers.py)
+@pytest.mark.parametrize("kind,backend", covering(
+    ["gru_bidirectional", "lstm_2_layers_bidirectional", "rnn_relu"], ["numpy", "onnxruntime"], strength=1))
 def test_other_recurrent_layers_accumulate_over_lengths_as_torch(kind: str, backend: str) -> None:
     """Two micro-steps per update (auto mode) at lengths 1, 4, 2 and 7 on either backend: the weights equal
     torch's after two SGD steps of the averaged gradients."""
@@ -455,8 +458,9 @@ class _CeilPools(torch.nn.Module):
         return F.cross_entropy(a.mean((2, 3)) + 0.7 * b.mean((2, 3)) + 0.3 * c.mean((2, 3)), y)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
-@pytest.mark.parametrize("k,s,p", [(2, 3, 1), (3, 2, 1), (3, 3, 1)], ids=str)
+# by default each pool shape once, on the two backends in turn; on both with ONNXTRAIN_FULL_TESTS=1
+@pytest.mark.parametrize("k,s,p,backend", covering(
+    [(2, 3, 1), (3, 2, 1), (3, 3, 1)], ["numpy", "onnxruntime"], strength=1), ids=str)
 def test_ceil_mode_pools_train_at_several_sizes_as_torch(k: int, s: int, p: int, backend: str) -> None:
     module = _CeilPools(k, s, p)
     model = _export(module, (torch.randn(3, 2, 8, 8), torch.zeros(3, dtype=torch.long)), ["x", "y"],
