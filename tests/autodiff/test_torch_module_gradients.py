@@ -1296,10 +1296,16 @@ DYNAMIC_DEFAULT = {
 
 
 def _style_params() -> list:
+    """Every case in each style; by default the cases not in EXTENDED in one of the two static styles, in
+    turn (``loss`` and ``ortmodule`` each on half of them), and those of DYNAMIC_DEFAULT dynamic too."""
     out = []
+    default = [name for name in CASES if name not in EXTENDED]
     for name in CASES:
         for style in ("loss", "ortmodule", "ortmodule_dynamic"):
-            full_only = name in EXTENDED or (style == "ortmodule_dynamic" and name not in DYNAMIC_DEFAULT)
+            if style == "ortmodule_dynamic":
+                full_only = name not in DYNAMIC_DEFAULT
+            else:
+                full_only = name in EXTENDED or style != ("loss", "ortmodule")[default.index(name) % 2]
             out.append(
                 pytest.param(
                     name, style, id=f"{name}-{style}", marks=[pytest.mark.extended] if full_only else []
