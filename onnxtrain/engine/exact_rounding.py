@@ -80,11 +80,12 @@ def deciding_sources(steps: Sequence[RawStep]) -> set[int]:
 
 
 def rounded_once(fn: Kernel) -> Kernel:
-    """``fn`` computing a float32 array input in float64, its result rounded to float32 once."""
+    """``fn`` computing a float32 input (an array, or the numpy scalar a one-element Gather gives) in
+    float64, its result rounded to float32 once."""
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x = inputs[0]
-        if type(x) is np.ndarray and x.dtype == np.float32:
+        if type(x) in (np.ndarray, np.float32) and x.dtype == np.float32:
             (r,) = fn([x.astype(np.float64)], attrs)
             return (np.asarray(r).astype(np.float32),)
         return fn(inputs, attrs)

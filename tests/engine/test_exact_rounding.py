@@ -116,3 +116,21 @@ def test_marked_step_stays_out_of_elementwise_clusters():
     plan = Plan(_bucket_model(), fuse=True)
     logs = [st for st in plan.steps if st.node.op_type == "Log"]
     assert len(logs) == 1 and rounds_exactly(logs[0].fn)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_numpy_scalar_between_steps_is_rounded_once_too(fuse):
+    """A Gather of one element of a vector hands the next step a numpy float32 scalar, not a 0-d array: the
+    marked Log rounds it once all the same."""
+    x = np.random.default_rng(3).uniform(0.5, 300, 400).astype(np.float32)
+    idx = helper.make_tensor("i", TensorProto.INT64, [], [0])
+    nodes = [helper.make_node("Gather", ["x", "i"], ["g"]), helper.make_node("Log", ["g"], ["l"]),
+             helper.make_node("Floor", ["l"], ["f"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("l", TensorProto.FLOAT, [])], initializer=[idx])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    plan = Plan(model, fuse=fuse)
+    got = np.array([plan.run({"x": x[k:k + 1]})[0] for k in range(len(x))])
+    want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)
