@@ -16,7 +16,7 @@ from onnxtrain.train import data as data_mod
 from onnxtrain.train.checksums import checksum_problem
 from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.model import LABEL_LOSSES, build_model, inference_model, label_source
-from onnxtrain.train.outputs import checkpoint_candidates
+from onnxtrain.train.outputs import checkpoint_candidates, is_run_folder
 from onnxtrain.train.session import feed_names, training_parameters
 from onnxtrain.train.state import checkpoint_weights
 
@@ -227,12 +227,14 @@ def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
 
 def _own_config_hint(cfg: Config, checkpoint: str) -> str:
     """"; give the run's own config, <run>/config.yaml ..." when ``checkpoint`` is in a run folder whose saved
-    config is not the one given (a run trained with --set values, evaluated with the file alone), else ""."""
+    config is not the one given (a run trained with --set values, evaluated with the file alone), else "" (a
+    checkpoint copied elsewhere: the config.yaml beside its folder is no run's)."""
     import os
 
     folder = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     own = os.path.join(folder, "config.yaml")
-    if not os.path.isfile(own) or (cfg.source and os.path.realpath(cfg.source) == os.path.realpath(own)):
+    if not os.path.isfile(own) or not is_run_folder(folder) or (
+            cfg.source and os.path.realpath(cfg.source) == os.path.realpath(own)):
         return ""
     return f"; give the run's own config, {own}, which holds the values it trained with"
 

@@ -638,3 +638,28 @@ def test_a_folder_given_for_a_file_is_called_a_folder(tmp_path, capsys, key):
     config.write_text(yaml.safe_dump({"model": model, "data": data, "training": {"steps": 1}}))
     code, line = _error_line(capsys, ["train", str(config), "-q", "--output-dir", str(tmp_path / "out")])
     assert code == 2 and f"{key}: {tmp_path / 'stuff'} is a folder, not a file" in line, line
+
+
+def test_a_checkpoint_outside_a_run_folder_names_no_config_yaml_as_the_runs(tmp_path, capsys):
+    """A .ckpt file copied out of its run, into a folder whose parent holds a config.yaml of some other
+    model (a project's own), refused for shapes that differ: the error names no config.yaml as the run's,
+    since that folder holds no run (no metrics.jsonl, no checkpoints folder)."""
+    import shutil
+
+    from onnxtrain.train.outputs import is_run_folder, list_checkpoints
+
+    run = tmp_path / "run"
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", str(run), "--set",
+                 "model.args.sizes=[64,24,10]", "--set", "training.steps=5"]) == 0
+    (kept := tmp_path / "project" / "saved").mkdir(parents=True)
+    _, ckpt = list_checkpoints(str(run))[-1]
+    for f in os.listdir(os.path.dirname(ckpt)):
+        if f.startswith(os.path.basename(ckpt)):
+            shutil.copy(os.path.join(os.path.dirname(ckpt), f), kept / f)
+    other = tmp_path / "project" / "config.yaml"
+    other.write_text("model:\n  builder: cnn\n", encoding="utf-8")
+    assert not is_run_folder(str(other.parent))
+    capsys.readouterr()
+    code, line = _error_line(capsys, ["eval", config_path("digits_mlp"), "--checkpoint",
+                                      str(kept / os.path.basename(ckpt))])
+    assert code == 2 and "shapes differ" in line and "config.yaml" not in line, line
