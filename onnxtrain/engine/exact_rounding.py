@@ -80,9 +80,17 @@ def deciding_sources(steps: Sequence[RawStep]) -> set[int]:
             if node.op_type in SOURCES and node.domain in ("", "ai.onnx") and decides[k]}
 
 
+# kernel → its rounded_once wrapper: one per kernel, so that equal marked steps stay equal (the plan's common
+# subexpression elimination compares kernels)
+_WRAPPERS: dict[Kernel, Kernel] = {}
+
+
 def rounded_once(fn: Kernel) -> Kernel:
     """``fn`` computing a float32 input (an array, or the numpy scalar a one-element Gather gives) in
-    float64, its result rounded to float32 once."""
+    float64, its result rounded to float32 once; the same wrapper for the same ``fn``."""
+    made = _WRAPPERS.get(fn)
+    if made is not None:
+        return made
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x = inputs[0]
@@ -92,7 +100,7 @@ def rounded_once(fn: Kernel) -> Kernel:
         return fn(inputs, attrs)
 
     run.rounds_exactly = True  # type: ignore[attr-defined]  # read by the elementwise fusion: not a ufunc
-    return run
+    return _WRAPPERS.setdefault(fn, run)
 
 
 def round_deciding_steps(steps: list[RawStep]) -> list[RawStep]:

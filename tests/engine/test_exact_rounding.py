@@ -134,3 +134,17 @@ def test_a_numpy_scalar_between_steps_is_rounded_once_too(fuse):
     got = np.array([plan.run({"x": x[k:k + 1]})[0] for k in range(len(x))])
     want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+def test_two_equal_marked_steps_are_still_one_step():
+    """Two Logs of the same input, each before a discrete step, are one common subexpression: the plan runs
+    the float64 route once, as it ran one float32 Log before the steps were marked."""
+    x = np.random.default_rng(4).uniform(0.5, 300, 3000).astype(np.float32)
+    nodes = [helper.make_node("Log", ["x"], ["a"]), helper.make_node("Log", ["x"], ["b"]),
+             helper.make_node("Floor", ["a"], ["fa"]), helper.make_node("Ceil", ["b"], ["fb"])]
+    plan = Plan(_model(nodes, [("fa", TensorProto.FLOAT), ("fb", TensorProto.FLOAT)]), fuse=True)
+    assert [st.node.op_type for st in plan.steps].count("Log") == 1
+    fa, fb = plan.run({"x": x})
+    want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
+    np.testing.assert_array_equal(fa, np.floor(want))
+    np.testing.assert_array_equal(fb, np.ceil(want))
