@@ -28,11 +28,12 @@ from onnxtrain.engine.registry import Attrs, Kernel
 # numpy-ufunc ops whose float32 SIMD results are not correctly rounded
 SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
                      "Acos", "Acosh", "Atanh"})
-# steps whose result is continuous in their float inputs (or moves them unchanged): the walk goes on
+# steps whose result is continuous in their float inputs (or moves or picks them unchanged): the walk goes on
 CONTINUOUS = SOURCES | frozenset({
     "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Reciprocal", "Sqrt", "Pow", "Max", "Min", "Clip", "Relu",
+    "Sum", "Mean", "ReduceMax", "ReduceMin",
     "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose", "Concat", "Slice",
-    "Gather", "Where", "Tile"})
+    "Split", "Pad", "Gather", "GatherElements", "GatherND", "Where", "Tile"})
 # steps that map a real to a discrete value
 DISCRETE = frozenset({"Ceil", "Floor", "Round", "Sign", "Equal", "Less", "Greater", "LessOrEqual",
                       "GreaterOrEqual"})

@@ -148,3 +148,38 @@ def test_two_equal_marked_steps_are_still_one_step():
     want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
     np.testing.assert_array_equal(fa, np.floor(want))
     np.testing.assert_array_equal(fb, np.ceil(want))
+
+
+@pytest.mark.parametrize("chain", [
+    [("Log", ["x"], ["a"]), ("Split", ["a"], ["b", "c"], {"axis": 0}), ("Floor", ["c"], ["d"])],
+    [("Exp", ["x"], ["a"]), ("Sum", ["a", "x", "x"], ["b"]), ("Ceil", ["b"], ["c"])],
+    [("Exp", ["x"], ["a"]), ("Mean", ["a", "x"], ["b"]), ("Round", ["b"], ["c"])],
+    [("Log", ["x"], ["a"]), ("ReduceMax", ["a"], ["b"]), ("Floor", ["b"], ["c"])],
+    [("Log", ["x"], ["a"]), ("ReduceMin", ["a"], ["b"]), ("Less", ["b", "x"], ["c"])],
+    [("Tanh", ["x"], ["a"]), ("Pad", ["a", "p"], ["b"]), ("Sign", ["b"], ["c"])],
+    [("Sin", ["x"], ["a"]), ("GatherElements", ["a", "i"], ["b"]), ("Floor", ["b"], ["c"])],
+    [("Sin", ["x"], ["a"]), ("GatherND", ["a", "i"], ["b"]), ("Floor", ["b"], ["c"])],
+])
+def test_elementwise_and_data_movement_steps_with_several_inputs_or_outputs_pass_it_on(chain):
+    """The README's 'through elementwise and data-movement steps': a Split (one of its outputs reaching the
+    discrete step), a Sum or Mean of several inputs, a ReduceMax/ReduceMin (which pick one of the values), a
+    Pad, a GatherElements or GatherND."""
+    nodes = [helper.make_node(op, ins, outs, **(rest[0] if rest else {})) for op, ins, outs, *rest in chain]
+    assert deciding_sources(_raw(nodes)) == {0}
+
+
+def test_a_log_split_before_a_floor_is_rounded_once():
+    x = np.random.default_rng(5).uniform(0.5, 300, 4000).astype(np.float32)
+    nodes = [helper.make_node("Log", ["x"], ["a"]), helper.make_node("Split", ["a", "sizes"], ["b", "c"]),
+             helper.make_node("Floor", ["c"], ["d"])]
+    sizes = helper.make_tensor("sizes", TensorProto.INT64, [2], [1000, 3000])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4000])],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [3000]),
+                               helper.make_tensor_value_info("d", TensorProto.FLOAT, [3000])],
+                              initializer=[sizes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    c, d = Plan(model).run({"x": x})
+    want = np.array([math.log(float(v)) for v in x[1000:]], dtype=np.float32)
+    np.testing.assert_array_equal(c, want)
+    np.testing.assert_array_equal(d, np.floor(want))
