@@ -77,8 +77,32 @@ def deciding_sources(steps: Sequence[RawStep]) -> set[int]:
         decides[k] = any(
             kind == "discrete" or (kind == "continuous" and decides[r])
             for s in steps[k][4] for r in readers.get(s, ()) for kind in (_kind(steps[r][0]),))
-    return {k for k, (node, *_rest) in enumerate(steps)
-            if node.op_type in SOURCES and node.domain in ("", "ai.onnx") and decides[k]}
+    sources = [k for k, (node, *_rest) in enumerate(steps)
+               if node.op_type in SOURCES and node.domain in ("", "ai.onnx")]
+    if not any(decides[k] for k in sources):
+        return set()
+    # a step equal to a marked one (a recomputed copy of a forward step, whose result the backward compares)
+    # is marked too: the copies must give the same bits
+    same = _equal_steps(steps)
+    marked = {same[k] for k in sources if decides[k]}
+    return {k for k in sources if same[k] in marked}
+
+
+def _equal_steps(steps: Sequence[RawStep]) -> list[int]:
+    """Per step, a number equal for the steps that compute the same op with the same attributes on the same
+    values (numbered alike: a value equal to another computes from equal steps)."""
+    number: dict[tuple, int] = {}
+    value: dict[int, tuple] = {}  # slot → (the number of the step that makes it, which output)
+    out = []
+    for node, _, _, ins, outs in steps:
+        attrs = b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
+        key = (node.domain, node.op_type, attrs, tuple(value.get(s, ("slot", s)) for s in ins))
+        n = number.setdefault(key, len(number))
+        out.append(n)
+        for i, s in enumerate(outs):
+            if s >= 0:
+                value[s] = (n, i)
+    return out
 
 
 # kernel → its rounded_once wrapper: one per kernel, so that equal marked steps stay equal (the plan's common

@@ -183,3 +183,49 @@ def test_a_log_split_before_a_floor_is_rounded_once():
     want = np.array([math.log(float(v)) for v in x[1000:]], dtype=np.float32)
     np.testing.assert_array_equal(c, want)
     np.testing.assert_array_equal(d, np.floor(want))
+
+
+def test_a_recomputed_tanh_before_a_relu_keeps_the_runs_bits():
+    """A Tanh before a Relu is marked in a training graph (the Relu's gradient compares its output). With
+    recompute_checkpoints the backward reads a recomputed copy of the Tanh and the forward's own copy meets
+    no comparison: both copies are computed alike, so the recomputed run keeps the plain one's losses and
+    weights bit for bit, as recompute does without marked steps."""
+    import warnings
+
+    from onnx import numpy_helper
+
+    from onnxtrain import TrainingParameters, TrainingSession
+
+    rng = np.random.default_rng(6)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 64)).astype(np.float32) * 0.5, "W1")
+    w2 = numpy_helper.from_array(rng.standard_normal((64, 4)).astype(np.float32) * 0.3, "W2")
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("Relu", ["t"], ["r"]), helper.make_node("MatMul", ["r", "W2"], ["o"]),
+             helper.make_node("Sub", ["o", "y"], ["d"]), helper.make_node("Mul", ["d", "d"], ["s"]),
+             helper.make_node("ReduceMean", ["s"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 16]),
+                                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=[w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+
+    def run(**options) -> tuple[list[float], dict]:
+        p = TrainingParameters()
+        p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+        for k, v in options.items():
+            setattr(p, k, v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sess = TrainingSession(model.SerializeToString(), p)
+        feeds = np.random.default_rng(7)
+        losses = [float(sess.run(["loss"], {"x": feeds.standard_normal((32, 16)).astype(np.float32),
+                                            "y": feeds.standard_normal((32, 4)).astype(np.float32),
+                                            "Learning_Rate": np.array([0.05], np.float32)})[0])
+                  for _ in range(6)]
+        return losses, sess.get_state()
+
+    plain, recomputed = run(), run(recompute_checkpoints=["h"])
+    assert plain[0] == recomputed[0]
+    for name, value in plain[1].items():
+        np.testing.assert_array_equal(recomputed[1][name], value, err_msg=name)
