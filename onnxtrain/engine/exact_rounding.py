@@ -7,12 +7,13 @@ step turns values into integers or truth values: Hugging Face DeBERTa-v2's relat
 ``ceil(log(|p| / mid) / log(c) * (mid - 1))``, whose argument falls on integers, so a log one ulp high moves
 a bucket and the model's logits with it.
 
-At plan build, each step of :data:`SOURCES` whose result reaches one of :data:`DISCRETE` through steps of
-:data:`CONTINUOUS` gets a kernel that computes float32 inputs in float64 and rounds once (the correctly
-rounded float32 but for double-rounding ties, about one value in 2**29). The float64 route costs 3x (Exp)
-to 30x (Tanh) the float32 ufunc. Most steps it marks compute indices (position buckets, counts), but an
-activation is marked too when a comparison reads it: a Tanh before a Relu, an Abs or a LeakyRelu in a
-training graph, whose gradients compare the Tanh's output with 0 (a Tanh-Relu MLP's step ~1.1x slower).
+At plan build, each step of :data:`SOURCES` whose result reaches a :data:`ROUNDING` step, a Cast to a
+non-float type or a :data:`COMPARING` step through :data:`CONTINUOUS` steps gets a kernel that computes
+float32 inputs in float64 and rounds once (the correctly rounded float32 but for double-rounding ties, about
+one value in 2**29). numpy's loops keep the correctly rounded value's sign and zeros, so a ``Sign`` or a
+comparison with a constant 0 of a value that passed only :data:`SIGN_KEEPING` steps since its source (a
+ReLU, Abs or LeakyRelu gradient's mask of a Tanh's output) decides nothing. The float64 route costs 3x
+(Exp) to 30x (Tanh) the float32 ufunc; the steps it marks compute indices (position buckets, counts).
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ import onnx
 
 from onnxtrain.engine.registry import Attrs, Kernel
 
-# numpy-ufunc ops whose float32 SIMD results are not correctly rounded
+# numpy-ufunc ops whose float32 SIMD results are not correctly rounded (but have its sign and its zeros)
 SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
                      "Acos", "Acosh", "Atanh"})
-# steps whose result is continuous in their float inputs (or moves or picks them unchanged): the walk goes on
-CONTINUOUS = SOURCES | frozenset({
-    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Reciprocal", "Sqrt", "Pow", "Max", "Min", "Clip", "Relu",
-    "Sum", "Mean", "ReduceMax", "ReduceMin",
-    "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose", "Concat", "Slice",
-    "Split", "Pad", "Gather", "GatherElements", "GatherND", "Where", "Tile"})
-# steps that map a real to a discrete value
-DISCRETE = frozenset({"Ceil", "Floor", "Round", "Sign", "Equal", "Less", "Greater", "LessOrEqual",
-                      "GreaterOrEqual"})
+# steps that keep each value's sign and zeros (move, pick, clamp at 0 or negate values): the walk goes on, and
+# a value that only passed these since its source still has the correctly rounded value's sign
+SIGN_KEEPING = frozenset({
+    "Relu", "Abs", "Neg", "ReduceMax", "ReduceMin", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten",
+    "Expand", "Transpose", "Concat", "Slice", "Split", "Pad", "Gather", "GatherElements", "GatherND", "Where",
+    "Tile"})
+# other steps whose result is continuous in their float inputs: the walk goes on
+CONTINUOUS = SOURCES | SIGN_KEEPING | frozenset({
+    "Add", "Sub", "Mul", "Div", "Reciprocal", "Sqrt", "Pow", "Max", "Min", "Clip", "Sum", "Mean"})
+# steps that map a real to an integer: a one-ulp change moves their result at their thresholds
+ROUNDING = frozenset({"Ceil", "Floor", "Round"})
+# steps that map a real to a truth value or a sign: a one-ulp change moves their result, unless they test the
+# sign of a value that only passed SIGN_KEEPING steps since its source (a ReLU gradient's ``x > 0``)
+COMPARING = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Sign"})
+DISCRETE = ROUNDING | COMPARING
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16})
+_ZERO_TEST_MAX = 64  # a constant of more values is not looked at for being all zeros
 
 RawStep = tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]
 
@@ -50,41 +58,74 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
     return None
 
 
-def _kind(node: onnx.NodeProto) -> str:
-    """'discrete', 'continuous' or 'stop' for a step reading a value a source's result reaches."""
+def _is_zeros(value: Any) -> bool:
+    """True for a small numeric constant all of whose values are 0."""
+    size = getattr(value, "size", None)
+    return (size is not None and 0 < size <= _ZERO_TEST_MAX and getattr(value, "dtype", None) is not None
+            and value.dtype.kind in "fiub" and not np.any(value))
+
+
+def zero_slots(steps: Sequence[RawStep], constants: dict[int, Any]) -> set[int]:
+    """The slots holding a constant of zeros: of ``constants`` (slot → initializer value) and of the
+    ``Constant`` steps."""
+    zeros = {s for s, v in constants.items() if _is_zeros(v)}
+    for node, _, _, _, outs in steps:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+            continue
+        a = node.attribute[0]
+        if a.name == "value" and _is_zeros(onnx.numpy_helper.to_array(a.t)) or (
+                a.name in ("value_float", "value_int") and (a.f if a.name == "value_float" else a.i) == 0):
+            zeros.update(o for o in outs if o >= 0)
+    return zeros
+
+
+def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general: list[bool],
+           signed: list[bool], r: int) -> bool:
+    """Whether ``value`` read by ``step`` (index ``r``) decides a discrete result: ``exact_sign`` when the
+    value has its correctly rounded sign; ``general``/``signed``: the same for ``r``'s outputs."""
+    node, ins = step[0], step[3]
     op = node.op_type
     if node.domain not in ("", "ai.onnx"):
-        return "stop"
-    if op in DISCRETE:
-        return "discrete"
+        return False
+    if op in ROUNDING:
+        return True
+    if op in COMPARING:
+        tests_sign = op == "Sign" or any(s in zeros for s in ins if s != value)
+        return not (exact_sign and tests_sign)
     if op == "Cast":
-        to = _cast_to(node)
-        return "continuous" if to in _FLOAT_TYPES else "discrete"
-    return "continuous" if op in CONTINUOUS else "stop"
+        if _cast_to(node) not in _FLOAT_TYPES:
+            return True
+        return signed[r] if exact_sign else general[r]
+    if op in SIGN_KEEPING:
+        return signed[r] if exact_sign else general[r]
+    return general[r] if op in CONTINUOUS else False
 
 
-def deciding_sources(steps: Sequence[RawStep]) -> set[int]:
-    """Indices of the :data:`SOURCES` steps whose outputs reach a :data:`DISCRETE` step (or a Cast to a
-    non-float type) through :data:`CONTINUOUS` steps only."""
+def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset()) -> set[int]:
+    """Indices of the :data:`SOURCES` steps whose outputs reach a :data:`ROUNDING` step, a Cast to a
+    non-float type or a :data:`COMPARING` step through :data:`CONTINUOUS` steps, but for comparisons with a
+    constant of ``zeros`` (and ``Sign``) of values that passed :data:`SIGN_KEEPING` steps only."""
     readers: dict[int, list[int]] = {}
     for k, (_, _, _, ins, _) in enumerate(steps):
         for s in ins:
             if s >= 0:
                 readers.setdefault(s, []).append(k)
-    # a step reads only earlier steps' outputs, so walking back from the last step finds each reader decided
-    decides = [False] * len(steps)  # step index → its outputs reach a discrete step
+    # a step reads only earlier steps' outputs, so walking back from the last step finds each reader decided.
+    # general[k]: k's outputs reach a discrete result; signed[k]: they do when they have the exact sign
+    general = [False] * len(steps)
+    signed = [False] * len(steps)
     for k in range(len(steps) - 1, -1, -1):
-        decides[k] = any(
-            kind == "discrete" or (kind == "continuous" and decides[r])
-            for s in steps[k][4] for r in readers.get(s, ()) for kind in (_kind(steps[r][0]),))
+        pairs = [(s, r) for s in steps[k][4] for r in readers.get(s, ())]
+        general[k] = any(_reach(steps[r], s, False, zeros, general, signed, r) for s, r in pairs)
+        signed[k] = general[k] and any(_reach(steps[r], s, True, zeros, general, signed, r) for s, r in pairs)
     sources = [k for k, (node, *_rest) in enumerate(steps)
                if node.op_type in SOURCES and node.domain in ("", "ai.onnx")]
-    if not any(decides[k] for k in sources):
+    if not any(signed[k] for k in sources):
         return set()
     # a step equal to a marked one (a recomputed copy of a forward step, whose result the backward compares)
     # is marked too: the copies must give the same bits
     same = _equal_steps(steps)
-    marked = {same[k] for k in sources if decides[k]}
+    marked = {same[k] for k in sources if signed[k]}
     return {k for k in sources if same[k] in marked}
 
 
@@ -128,9 +169,10 @@ def rounded_once(fn: Kernel) -> Kernel:
     return _WRAPPERS.setdefault(fn, run)
 
 
-def round_deciding_steps(steps: list[RawStep]) -> list[RawStep]:
-    """``steps`` with the kernel of each :func:`deciding_sources` step wrapped by :func:`rounded_once`."""
-    marked = deciding_sources(steps)
+def round_deciding_steps(steps: list[RawStep], constants: dict[int, Any]) -> list[RawStep]:
+    """``steps`` with the kernel of each :func:`deciding_sources` step wrapped by :func:`rounded_once`;
+    ``constants``: the initializers' values by slot."""
+    marked = deciding_sources(steps, zero_slots(steps, constants))
     return [(node, rounded_once(fn), attrs, ins, outs) if k in marked else (node, fn, attrs, ins, outs)
             for k, (node, fn, attrs, ins, outs) in enumerate(steps)]
 

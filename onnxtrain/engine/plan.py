@@ -204,7 +204,9 @@ class Plan(GraphInterface):
                 f"{', '.join(available_ops() + available_domain_ops())}"
             )
         self._check_produced(raw_steps, slot, g, init_names)
-        raw_steps = round_deciding_steps(raw_steps)
+        fed = set(self.all_input_names)  # an initializer a feed may override is no constant
+        raw_steps = round_deciding_steps(
+            raw_steps, {slot[n]: v for n, v in self.initializers.items() if n not in fed})
         self.slot = slot
         self.n_slots = len(slot)
         self.steps = [
