@@ -6,7 +6,10 @@ index out of range in Gather), an ``ORT_ENFORCE`` that throws (a Reshape to a si
 a broadcast of unequal dims, an axis out of range: ``RuntimeException``), or another status (``Fail``). The
 table holds each op's class as onnxruntime-training 1.16.3's CPU kernels raise it for the failures a user's
 values cause (``tests/engine/test_node_failure_classes.py`` compares them); ops not in it fail with
-``Fail``. Every class is also an :class:`EngineError` (a ``Fail``), as node failures were before.
+``Fail``. The op's class applies only when the kernel failed the way it checks a user's values (an
+IndexError, a ValueError, an integer ZeroDivisionError); anything else (a MemoryError, an AssertionError or
+TypeError of a kernel's own) is a plain ``Fail``, so that it does not blame the input. Every class is also
+an :class:`EngineError` (a ``Fail``), as node failures were before.
 """
 
 from __future__ import annotations
@@ -47,10 +50,18 @@ _BY_ORT_NAME: dict[str, type[EngineError]] = {"InvalidArgument": NodeInvalidArgu
 _BY_STATUS = {"INVALID_ARGUMENT": NodeInvalidArgument, "RUNTIME_EXCEPTION": NodeRuntimeException}
 _STATUS = re.compile(r"\[ONNXRuntimeError\] : \d+ : ([A-Z_]+) :")
 _NODE = re.compile(r"while running (\w+) node\b")
+# what the kernels (and numpy under them) raise for a user's values: an index or axis out of range, shapes
+# that do not fit, an integer division by zero
+VALUE_FAILURES = (IndexError, ValueError, ZeroDivisionError)
 
 
 def node_failure_class(op_type: str, cause: BaseException) -> type[EngineError]:
-    """The class of the error for a node of ``op_type`` that failed with ``cause`` while running."""
+    """The class of the error for a node of ``op_type`` that failed with ``cause`` while running: the op's
+    onnxruntime class when ``cause`` is a failure on the values (:data:`VALUE_FAILURES`), else EngineError."""
+    return _op_class(op_type, cause) if isinstance(cause, VALUE_FAILURES) else EngineError
+
+
+def _op_class(op_type: str, cause: BaseException) -> type[EngineError]:
     if _AXIS_OUT_OF_RANGE.search(str(cause)):
         return NodeRuntimeException
     return OP_CLASSES.get(op_type, EngineError)
@@ -68,4 +79,4 @@ def ort_failure_class(cause: BaseException) -> type[EngineError]:
     if status:
         return _BY_STATUS.get(status.group(1), EngineError)
     node = _NODE.search(text)  # (a run through IO binding raises a RuntimeError that names the node only)
-    return node_failure_class(node.group(1), cause) if node else EngineError
+    return _op_class(node.group(1), cause) if node else EngineError

@@ -135,3 +135,27 @@ def test_an_integer_division_by_zero_fails_where_1_16_3_dies() -> None:
     ours = subprocess.run([sys.executable, "-c", INT_DIV.format(module="onnxtrain")], capture_output=True,
                           text=True, timeout=120)
     assert ours.returncode == 0 and ours.stdout.startswith("NodeRuntimeException node 'n' (Div)"), ours
+
+
+@pytest.mark.parametrize("raised", [MemoryError("cannot allocate"), AssertionError("axis 3 is out of range"),
+                                    TypeError("unsupported operand")])
+@pytest.mark.parametrize("case", ["gather_index", "reshape_size"])
+def test_a_kernel_failure_not_caused_by_the_values_is_a_plain_fail(monkeypatch, raised, case) -> None:
+    """A MemoryError, an internal AssertionError or a TypeError inside a kernel is not a fault of the
+    user's values: it stays a plain ``Fail`` naming the node, not the op's ``InvalidArgument`` /
+    ``RuntimeException`` (which onnxruntime raises only for the values its kernel checks, as above)."""
+    from onnxtrain.engine import registry
+
+    op, ins, *_ = probes.CASES[case]
+    registry.find_kernel(op, 17)  # (loads the kernels before one is replaced)
+
+    def broken(inputs, attrs):
+        raise raised
+
+    monkeypatch.setitem(registry._KERNELS, op, [(1, broken)])
+    sess = onnxtrain.InferenceSession(probes.model_bytes(case))
+    with pytest.raises(C.Fail) as caught:
+        sess.run(None, {n: v for n, _, v in ins})
+    assert not isinstance(caught.value, (C.InvalidArgument, C.RuntimeException)), type(caught.value).__mro__
+    assert caught.value.__cause__ is raised
+    assert f"node 'the_node' ({op})" in str(caught.value) and type(raised).__name__ in str(caught.value)
