@@ -12,7 +12,7 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
 from onnxtrain.ir.builder import loadable_model
-from onnxtrain.ir.graphs import graph_values, node_reads
+from onnxtrain.ir.graphs import graph_values, path_to
 
 
 def _ordered(names: Iterable[str], what: str) -> list[str]:
@@ -93,7 +93,10 @@ class GradientGraphBuilder:
         first = self._loss if seeded else self._ys[0]
         # a y that a node makes and the seeded loss is computed from takes the loss's gradient alone, with no
         # '<y>_grad' input: onnxruntime's builder named its internal gradient so (a script feeds nothing)
-        feeds_loss = _computed_from(self._model.graph, first) if seeded else set()
+        feeds_loss: set[str] = set()
+        if seeded:  # (the nodes are in topological order: loadable_model sorted them)
+            path, read = path_to(self._model.graph.node, [first])
+            feeds_loss = read.intersection(o for n in path for o in n.output)
         others = [y for y in self._ys if y != first and y not in feeds_loss]
         # the one option of onnxruntime's GradientGraphConfiguration the builder has (invertible LayerNorm
         # gradients); read from the options object as TrainingParameters names it, or as the config did
@@ -145,22 +148,6 @@ def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: 
     others = [o for o in built.graph.output if o.name not in named] if keep_others else []
     del built.graph.output[:]
     built.graph.output.extend([*others, *kept, *grads])
-
-
-def _computed_from(graph: onnx.GraphProto, value: str) -> set[str]:
-    """The values that nodes of ``graph`` make and ``value`` is computed from (bodies' captures too)."""
-    maker = {o: n for n in graph.node for o in n.output if o}
-    seen: set[str] = set()
-    todo = [value]
-    while todo:
-        node = maker.get(todo.pop())
-        if node is None:
-            continue
-        for name in node_reads(node):
-            if name in maker and name not in seen:
-                seen.add(name)
-                todo.append(name)
-    return seen
 
 
 def _external_folder(options: Any) -> str | None:
