@@ -392,10 +392,12 @@ class InferenceSession:
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
+            from onnxtrain.errors import NoFolderForOutput
             from onnxtrain.ir.io import save_dump
 
             save_dump(model, optimized_model_path(self._sess_options),
-                      "SessionOptions.optimized_model_filepath", **optimized_model_data(self._sess_options))
+                      "SessionOptions.optimized_model_filepath", missing_folder=NoFolderForOutput,
+                      **optimized_model_data(self._sess_options))
         del model
         g = self._model.graph
         inits = {t.name for t in g.initializer}

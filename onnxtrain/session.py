@@ -24,7 +24,7 @@ from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, check_graph_links, graph_interface
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
-from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
+from onnxtrain.errors import InvalidFeed, NoFolderForOutput, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, check_loss_scale_feed, half_copies
@@ -117,15 +117,18 @@ def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
-def requested_dumps(p: TrainingParameters, options: SessionOptions) -> list[tuple[str, str, str]]:
-    """(option, path, graph) of each model dump the session is asked for, the graph "transformed",
-    "gradient" or "training". onnxruntime wrote its optimized training graph at
-    ``optimized_model_filepath``; onnxtrain writes the training graph it runs there."""
-    asked = [(f"TrainingParameters.{name}", getattr(p, name), kind) for name, kind in (
+def requested_dumps(p: TrainingParameters,
+                    options: SessionOptions) -> list[tuple[str, str, str, type[FileNotFoundError] | None]]:
+    """(option, path, graph, missing-folder class for :func:`save_dump`) of each model dump the session is
+    asked for, the graph "transformed", "gradient" or "training". onnxruntime wrote its optimized training
+    graph at ``optimized_model_filepath`` (refusing a missing folder with its InvalidArgument); onnxtrain
+    writes the training graph it runs there."""
+    asked = [(f"TrainingParameters.{name}", getattr(p, name), kind, None) for name, kind in (
         ("model_after_graph_transforms_path", "transformed"), ("model_with_gradient_graph_path", "gradient"),
         ("model_with_training_graph_path", "training"))]
-    asked.append(("SessionOptions.optimized_model_filepath", optimized_model_path(options), "training"))
-    return [(where, path, kind) for where, path, kind in asked if path]
+    asked.append(("SessionOptions.optimized_model_filepath", optimized_model_path(options), "training",
+                  NoFolderForOutput))
+    return [dump for dump in asked if dump[1]]
 
 
 def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
@@ -263,8 +266,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
-        for where, path, kind in requested_dumps(p, self._sess_options):
-            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default), path, where)
+        for where, path, kind, missing_folder in requested_dumps(p, self._sess_options):
+            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default), path, where,
+                      missing_folder=missing_folder)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

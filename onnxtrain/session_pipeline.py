@@ -135,11 +135,12 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._specs = sg.specs
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         stage_graph = {"transformed": "stage", "gradient": "backward", "training": "backward"}
-        for where, path, kind in requested_dumps(p, self._sess_options):
+        for where, path, kind, missing_folder in requested_dumps(p, self._sess_options):
             root, ext = os.path.splitext(path)
             # the stage's state, its Dropouts' shared training_mode and half scatters as the session's dumps
             dump = dumped_graph(sg.graphs[stage_graph[kind]], self._store, dropout_mode(model))
-            save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where)
+            save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where,
+                      missing_folder=missing_folder)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
 

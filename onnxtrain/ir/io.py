@@ -676,17 +676,17 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, *,
 
 
 def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str, *,
+              missing_folder: type[FileNotFoundError] | None = None,
               external_data: str | None = None, size_threshold: int = 1024) -> None:
     """:func:`save_model_atomic` for a path the user gave as the option ``where``, which its errors name
-    (``external_data``, ``size_threshold``: initializers of that many bytes or more go to that file)."""
+    (``missing_folder``: the class raised when ``path``'s folder does not exist, else the OSError's own;
+    ``external_data``, ``size_threshold``: initializers of that many bytes or more go to that file)."""
     try:
         save_model_atomic(model, path, make_folders=False, external_data=external_data,
                           size_threshold=size_threshold)
     except OSError as e:
-        if isinstance(e, FileNotFoundError) and where == "SessionOptions.optimized_model_filepath":
-            from onnxtrain.errors import NoFolderForOutput  # (onnxruntime's class for it)
-
-            raise NoFolderForOutput(e.errno, f"{where}: {e.strerror}", os.fspath(path)) from None
+        if isinstance(e, FileNotFoundError) and missing_folder is not None:
+            raise missing_folder(e.errno, f"{where}: {e.strerror}", os.fspath(path)) from None
         raise _about(e, path, where) from None
 
 

@@ -109,6 +109,38 @@ def test_a_missing_folder_is_an_error_as_in_onnxruntime(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+
+def test_which_dump_a_missing_folder_makes_an_invalid_argument(tmp_path):
+    """onnxruntime refuses optimized_model_filepath in a missing folder with InvalidArgument (here: its
+    class, by name, among onnxtrain's error's); a TrainingParameters dump path, which only the legacy session
+    has (1.16.3 writes nothing there and says nothing), is a FileNotFoundError and NoSuchFile, not that."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnxtrain import InferenceSession, TrainingParameters, TrainingSession
+    from onnxtrain.capi import onnxruntime_pybind11_state as C
+
+    model = mlp([4, 8, 2], loss=False).SerializeToString()
+    missing = str(tmp_path / "typo" / "out.onnx")
+    caught = []
+    for module in (ort, None):
+        so = (ort.SessionOptions if module else SessionOptions)()
+        so.optimized_model_filepath = missing
+        try:
+            if module:
+                ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+            else:
+                InferenceSession(model, so)
+        except Exception as e:  # noqa: BLE001 - the classes are compared
+            caught.append([c.__name__ for c in type(e).__mro__])
+    theirs, ours = caught
+    assert theirs[0] == "InvalidArgument" and {"InvalidArgument", "FileNotFoundError"} <= set(ours), caught
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.model_with_training_graph_path = missing
+    with pytest.raises(C.NoSuchFile, match="model_with_training_graph_path") as e:
+        TrainingSession(mlp([4, 8, 2]).SerializeToString(), p)
+    assert isinstance(e.value, FileNotFoundError) and not isinstance(e.value, C.InvalidArgument)
+    assert os.listdir(tmp_path) == []
+
 def test_a_load_while_a_save_drops_the_external_data(tmp_path):
     """A checkpoint saved with external data (.data) and then over itself without (inline): a load that read
     the old main file then found its .data deleted by the new save's commit and failed (19 of 3,237 loads);

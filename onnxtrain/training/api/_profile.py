@@ -42,10 +42,11 @@ def write_optimized_model(options: Any, model: onnx.ModelProto) -> None:
     """Write ``model`` to the options' ``optimized_model_filepath`` when set, as a session of
     onnxruntime-training writes its optimized graph while it is made."""
     if session_option(options, "optimized_model_filepath"):
+        from onnxtrain.errors import NoFolderForOutput
         from onnxtrain.inference import optimized_model_path
         from onnxtrain.ir.io import save_dump
 
-        save_dump(model, optimized_model_path(options), OPTION)
+        save_dump(model, optimized_model_path(options), OPTION, missing_folder=NoFolderForOutput)
 
 
 class ProfiledPlan:
