@@ -883,6 +883,18 @@ def warn_unread_model_config(model: onnx.ModelProto) -> None:
              "TrainingSession could not be created with the variable set); give them in sess_options")
 
 
+def warn_on_device_model_config(owner: str) -> None:
+    """For the on-device ``owner`` ("Module", "Optimizer") being made: refuse ORT_LOAD_CONFIG_FROM_MODEL set
+    to a value onnxruntime refuses (:func:`model_config_asked`), and warn when it is 1, with which
+    onnxruntime-training 1.19.2 makes no Module or Optimizer ("ModelProto needs to be parsed to check for ORT
+    config"): onnxtrain's is made, and applies no model's ``ort_config``."""
+    if model_config_asked():
+        warn(f"ORT_LOAD_CONFIG_FROM_MODEL=1: onnxruntime-training cannot make a {owner} with the variable "
+             f"set (\"ModelProto needs to be parsed to check for ORT config\"); onnxtrain's {owner} is made "
+             "but applies no session options of a model's metadata entry ort_config (InferenceSession does); "
+             "give them in the Module's session_options")
+
+
 def check_severity(level: Any, owner: str) -> None:
     """Refuse a ``log_severity_level`` onnxruntime refuses: −1 (the default logger's) and 0..4 are valid."""
     if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:

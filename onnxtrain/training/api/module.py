@@ -41,7 +41,7 @@ from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
-from onnxtrain.inference import model_config_asked
+from onnxtrain.inference import warn_on_device_model_config
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import eval_batch_norms, last_statistics
@@ -286,7 +286,7 @@ class Module:
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         check_device(device)
         _check_session_options(session_options)
-        model_config_asked()  # (a value onnxruntime refuses: its Module's sessions are not made)
+        warn_on_device_model_config("Module")
         self._state = state
         self._session_options = session_options
         self.training = True

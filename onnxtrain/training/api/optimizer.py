@@ -37,7 +37,7 @@ import numpy as np
 from onnxtrain import parallel
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.flat_settings import flat_update_enabled
-from onnxtrain.inference import model_config_asked
+from onnxtrain.inference import warn_on_device_model_config
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import pausing_gc
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, check_same_scalars, digest
@@ -168,7 +168,7 @@ class Optimizer:
     def __init__(self, optimizer_uri: ModelLike, module: Module) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"module must be a Module, got {type(module).__name__}")
-        model_config_asked()  # (a value onnxruntime refuses: its Optimizer's session is not made)
+        warn_on_device_model_config("Optimizer")
         self._module = module
         self._state = module.state
         begin = time.perf_counter_ns()
