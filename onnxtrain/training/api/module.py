@@ -41,10 +41,10 @@ from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
-from onnxtrain.inference import warn_on_device_model_config
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import eval_batch_norms, last_statistics
+from onnxtrain.model_config_env import warn_on_device_model_config
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,

@@ -37,9 +37,9 @@ import numpy as np
 from onnxtrain import parallel
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.flat_settings import flat_update_enabled
-from onnxtrain.inference import warn_on_device_model_config
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import pausing_gc
+from onnxtrain.model_config_env import warn_on_device_model_config
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, check_same_scalars, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api._profile import (
