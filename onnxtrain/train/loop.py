@@ -71,6 +71,7 @@ from onnxtrain.train.outputs import (
 from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.session import feed_names, make_session, training_parameters
 from onnxtrain.train.state import (
+    OptimizerStateMismatch,
     checkpoint_to_state,
     optimizer_group,
     optimizer_layout,
@@ -428,7 +429,8 @@ class Trainer:
             self.sess.load_state(state, strict=self.comm is None)
         except (ValueError, TypeError, KeyError) as e:  # a shape, dtype or name that does not fit
             changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
-            raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's model "
+            what = "optimizer" if isinstance(e, OptimizerStateMismatch) else "model"
+            raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's {what} "
                                           f"({e}){changed}") from None
         batch_size = _saved_batch_size(saved, self.cfg.training.batch_size)
         try:

@@ -34,6 +34,11 @@ GROUP = "group0"  # the optimizer group a checkpoint's readers take
 OptimizerLayout = dict[str, list[str]]
 
 
+class OptimizerStateMismatch(ValueError):
+    """A checkpoint without the optimizer state (group, moment) this run's optimizer keeps: written by a run
+    of another optimizer."""
+
+
 def trainable_names(sess: TrainingSession) -> list[str]:
     """The trained weights of the whole model: a pipeline stage's or a horizontally split rank's session names
     every stage's whole weights (its ``get_model_state()`` holds its own, a split rank's under its shares'
@@ -138,7 +143,7 @@ def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
         raise ValueError("the checkpoint has no optimizer group")
     named = [g for g in ckpt.optimizer_groups if g.name == (group_name or GROUP)]
     if group_name is not None and not named:
-        raise ValueError(f"the checkpoint has no optimizer group {group_name!r}; it holds "
+        raise OptimizerStateMismatch(f"the checkpoint has no optimizer group {group_name!r}; it holds "
                          f"{[g.name for g in ckpt.optimizer_groups]}")
     group = named[0] if named else ckpt.optimizer_groups[0]
     out: dict[str, np.ndarray] = {}
@@ -156,7 +161,8 @@ def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
                 continue
             saved = group.states.get(w, {}).get(MOMENTS.get(key, key))
             if saved is None:
-                raise ValueError(f"the checkpoint has no optimizer state {MOMENTS.get(key, key)!r} for {w!r}")
+                moment = MOMENTS.get(key, key)
+                raise OptimizerStateMismatch(f"the checkpoint has no optimizer state {moment!r} for {w!r}")
             out[name] = saved
     for name in current:
         if name not in out and name not in derived:

@@ -663,3 +663,16 @@ def test_a_checkpoint_outside_a_run_folder_names_no_config_yaml_as_the_runs(tmp_
     code, line = _error_line(capsys, ["eval", config_path("digits_mlp"), "--checkpoint",
                                       str(kept / os.path.basename(ckpt))])
     assert code == 2 and "shapes differ" in line and "config.yaml" not in line, line
+
+
+def test_resume_with_another_optimizer_names_the_optimizer(tmp_path, capsys):
+    """A run of SGD resumed with Adam: the checkpoint lacks Adam's moments, which is the optimizer's misfit,
+    not the model's; the changed key is named."""
+    out = str(tmp_path / "run")
+    base = ["--output-dir", out, "--set", "training.steps=2"]
+    assert main(["train", config_path("digits_mlp"), "-q", *base, "--set", "optimizer.name=sgd"]) == 0
+    capsys.readouterr()
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", *base, "--set",
+                                      "training.steps=4", "--set", "optimizer.name=adam", "--resume"])
+    assert code == 2 and "does not fit this config's optimizer" in line and "optimizer.name" in line, line
+    assert "model" not in line.split("(")[0], line
