@@ -67,14 +67,14 @@ def _is_zeros(value: Any) -> bool:
 
 def zero_slots(steps: Sequence[RawStep], constants: dict[int, Any]) -> set[int]:
     """The slots holding a constant of zeros: of ``constants`` (slot → initializer value) and of the
-    ``Constant`` steps."""
+    ``Constant`` steps (their values as the plan parsed them: a large one is not converted again)."""
     zeros = {s for s, v in constants.items() if _is_zeros(v)}
-    for node, _, _, _, outs in steps:
+    for node, _, attrs, _, outs in steps:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
             continue
-        a = node.attribute[0]
-        if a.name == "value" and _is_zeros(onnx.numpy_helper.to_array(a.t)) or (
-                a.name in ("value_float", "value_int") and (a.f if a.name == "value_float" else a.i) == 0):
+        name = node.attribute[0].name
+        value = attrs.get(name)
+        if name == "value" and _is_zeros(value) or name in ("value_float", "value_int") and value == 0:
             zeros.update(o for o in outs if o >= 0)
     return zeros
 

@@ -83,13 +83,15 @@ def test_float64_and_unmarked_steps_keep_numpys_ufunc():
 
 
 def _raw(nodes: list[onnx.NodeProto]) -> list[tuple]:
-    """(node, fn, attrs, input slots, output slots) as the plan builds them, fn and attrs left out."""
+    """(node, fn, attrs, input slots, output slots) as the plan builds them, fn left out."""
+    from onnxtrain.ir.attrs import parse_attributes
+
     slots: dict[str, int] = {}
     raw = []
     for n in nodes:
         ins = [slots.setdefault(i, len(slots)) for i in n.input]
         outs = [slots.setdefault(o, len(slots)) for o in n.output]
-        raw.append((n, None, None, ins, outs))
+        raw.append((n, None, parse_attributes(n, 17), ins, outs))
     return raw
 
 
@@ -276,3 +278,45 @@ def test_a_tanh_relu_training_step_keeps_numpys_tanh():
                                  "loss", ["w"])
     tanhs = [st for st in Plan(model, fuse=False).steps if st.node.op_type == "Tanh"]
     assert len(tanhs) == 1 and not rounds_exactly(tanhs[0].fn)
+
+
+def test_looking_for_zero_constants_copies_no_large_constant():
+    """The Constant nodes are looked at for zeros in the values the plan already parsed: a 32 MiB Constant
+    is held once while the plan is built, not converted a second time (which doubled the build's peak)."""
+    import tracemalloc
+
+    n = 8 << 20
+    big = onnx.numpy_helper.from_array(np.ones(n, np.float32), "c")
+    nodes = [helper.make_node("Constant", [], ["c"], value=big), helper.make_node("Add", ["c", "x"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    tracemalloc.start()
+    try:
+        plan = Plan(model, fuse=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * 4 * n, f"{peak / 2**20:.0f} MiB at the build's peak for a 32 MiB Constant"
+    np.testing.assert_array_equal(plan.run({"x": np.array([2.0], np.float32)})[0][:3], [3.0, 3.0, 3.0])
+
+
+@pytest.mark.parametrize("attr, value, found", [
+    ("value", helper.make_tensor("t", TensorProto.FLOAT, [2], [0.0, -0.0]), True),
+    ("value", helper.make_tensor("t", TensorProto.FLOAT, [2], [0.0, 1e-30]), False),
+    ("value", helper.make_tensor("t", TensorProto.FLOAT, [65], [0.0] * 65), False),  # not looked at
+    ("value_float", 0.0, True), ("value_float", -0.0, True), ("value_float", 1e-40, False),
+    ("value_int", 0, True), ("value_int", 3, False),
+    ("value_floats", [0.0], False),  # (not looked at: a comparison with it marks, as it did before)
+])
+def test_zero_constants_of_each_constant_form(attr, value, found):
+    """A Constant counts as zeros only when onnx.reference computes all zeros for it."""
+    from onnx.reference import ReferenceEvaluator
+
+    node = helper.make_node("Constant", [], ["z"], **{attr: value})
+    assert (zero_slots(_raw([node]), {}) == {0}) is found
+    if found:
+        out = helper.make_tensor_value_info("z", TensorProto.UNDEFINED, None)
+        graph = helper.make_graph([node], "g", [], [out])
+        (z,) = ReferenceEvaluator(helper.make_model(graph)).run(None, {})
+        assert not np.any(z)
