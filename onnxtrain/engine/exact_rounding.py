@@ -46,6 +46,8 @@ COMPARING = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqua
 DISCRETE = ROUNDING | COMPARING
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16})
+# the float types a float32 cast to keeps its value (float16 and bfloat16 keep signs, not zeros)
+_KEEPING_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
 _ZERO_TEST_MAX = 64  # a constant of more values is not looked at for being all zeros
 
 RawStep = tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]
@@ -93,9 +95,11 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
         tests_sign = op == "Sign" or any(s in zeros for s in ins if s != value)
         return not (exact_sign and tests_sign)
     if op == "Cast":
-        if _cast_to(node) not in _FLOAT_TYPES:
+        to = _cast_to(node)
+        if to not in _FLOAT_TYPES:
             return True
-        return signed[r] if exact_sign else general[r]
+        # float16, bfloat16: two float32 neighbours can round to 0 and to the type's smallest step
+        return signed[r] if exact_sign and to in _KEEPING_FLOATS else general[r]
     if op in SIGN_KEEPING:
         return signed[r] if exact_sign else general[r]
     return general[r] if op in CONTINUOUS else False

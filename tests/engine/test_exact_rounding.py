@@ -320,3 +320,24 @@ def test_zero_constants_of_each_constant_form(attr, value, found):
         graph = helper.make_graph([node], "g", [], [out])
         (z,) = ReferenceEvaluator(helper.make_model(graph)).run(None, {})
         assert not np.any(z)
+
+
+@pytest.mark.parametrize("to, marked", [(TensorProto.FLOAT16, {0}), (TensorProto.BFLOAT16, {0}),
+                                        (TensorProto.DOUBLE, set()), (TensorProto.FLOAT, set())])
+def test_a_cast_to_a_narrower_float_before_a_sign_test_marks_the_source(to, marked):
+    """A Cast to float16 or bfloat16 keeps signs but not zeros: two float32 neighbours (a correctly rounded
+    value and one an ulp off) can fall on either side of the half-float's smallest step, so the test of its
+    sign depends on the source's last bit. A Cast to float32 or float64 keeps every value."""
+    import ml_dtypes
+
+    half = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}.get(to)
+    if half is not None:  # numpy's own casts, the oracle of what the step does to two neighbours
+        edge = np.float32(2.0 ** -25 if half is np.float16 else 2.0 ** -134)
+        pair = np.array([edge, np.nextafter(edge, np.float32(1))], np.float32)
+        assert np.all(pair > 0) and list(pair.astype(half) > 0) == [False, True]
+    chain = [("Exp", ["x"], ["a"]), ("Cast", ["a"], ["h"], {"to": to}), ("Relu", ["h"], ["r"]),
+             ("Greater", ["r", "z"], ["m"])]
+    nodes = [_zero("z")] + [helper.make_node(op, ins, outs, **(rest[0] if rest else {}))
+                            for op, ins, outs, *rest in chain]
+    raw = _raw(nodes)
+    assert deciding_sources(raw[1:], zero_slots(raw, {})) == marked
