@@ -98,6 +98,9 @@ class _Param:
     requires_grad: bool
     data: np.ndarray | None
     grad: np.ndarray | None = None
+    # the view of an Optimizer's flat gradient buffer that ``grad`` is while it is that view (flat_update.py):
+    # a gradient the Parameter need not give its own array (the buffer keeps it, and views of it, live)
+    grad_home: np.ndarray | None = None
 
 
 def _refs(a: np.ndarray | None) -> int:
@@ -116,10 +119,45 @@ def data_unheld(p: _Param) -> bool:
     return p.data is not None and p.data.base is None and _refs(p.data) <= _ALONE
 
 
+def grad_unheld(p: _Param) -> bool:
+    """Whether only the state holds ``p``'s gradient array (no caller's ``.grad`` or view of it, and not a
+    view of an array someone may hold): it may then be replaced by another array of the same values."""
+    return p.grad is not None and not isinstance(p.grad.base, np.ndarray) and _refs(p.grad) <= _ALONE
+
+
 def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a
+
+
+def _overlapping(arrays: Sequence[np.ndarray]) -> list[int]:
+    """The indices of arrays whose memory overlaps that of an array before them in address order."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}  # a root buffer → (start, stop, index) of its arrays
+    for i, a in enumerate(arrays):
+        root = _root(a)
+        spans.setdefault(id(root), []).append((*_span(a, root), i))
+    out = []
+    for taken in spans.values():
+        if len(taken) > 1:
+            taken.sort()
+            reach = taken[0][1]
+            for start, stop, i in taken[1:]:
+                if start < reach:
+                    out.append(i)
+                else:
+                    reach = stop
+    return out
+
+
+def _span(a: np.ndarray, root: np.ndarray) -> tuple[int, int]:
+    """The bytes ``a`` covers, as [start, stop) addresses: its own for a C-contiguous array (none when it is
+    empty), else the whole of ``root``'s (an overlap is then assumed with anything else of that buffer)."""
+    if a.flags.c_contiguous:
+        start = a.ctypes.data
+        return start, start + a.nbytes
+    start = root.ctypes.data
+    return start, start + max(root.nbytes, 1)
 
 
 def drop_unheld_grads(params: Sequence[_Param]) -> list[_Param]:
@@ -142,15 +180,13 @@ def replace_grads(params: Sequence[_Param], new: Sequence[np.ndarray]) -> None:
     state references the current array (the caller's ``.grad``, a view of it, a torch tensor over it), the
     new values are copied into it; otherwise nobody can see the old array and the new one simply takes its
     place, which costs nothing (the usual training loop, where no copy of the MLP's 669 K gradient values
-    is made). The caller must hold no reference to the current arrays itself. Results that share memory
-    with each other are copied first, so that no two parameters ever share a buffer."""
-    roots: set[int] = set()
+    is made). The caller must hold no reference to the current arrays itself. Results whose memory overlaps
+    are copied first, so that no two parameters ever share an element; disjoint views of one buffer (an
+    Optimizer's flat gradients, which onnxruntime writes into) stay views."""
+    new = list(new)
+    for i in _overlapping(new):
+        new[i] = new[i].copy()
     for p, value in zip(params, new):
-        root = _root(value)
-        if id(root) in roots:
-            value = value.copy()
-            root = value
-        roots.add(id(root))
         if p.grad is None or p.grad is value:
             p.grad = value
             continue
@@ -264,11 +300,12 @@ class Parameter:
         """The gradient buffer (a view the next training call updates, as onnxruntime's). One that the plan
         gave as a view of another array (a Reshape of a sum) is first made an array of its own: a caller's
         view of it then counts as holding it (its base is this array), so that :func:`replace_grads` writes
-        the next gradients into it instead of dropping it."""
+        the next gradients into it instead of dropping it. A view of an Optimizer's flat gradients stays
+        that view: the Optimizer holds it, so the next gradients are always written into it."""
         p = self._state._param(self._name)
-        if p.grad is not None and p.grad.base is not None:
+        if p.grad is not None and p.grad.base is not None and p.grad is not p.grad_home:
             with self._state._lock:  # (a training call in another thread replaces it)
-                if p.grad is not None and p.grad.base is not None:
+                if p.grad is not None and p.grad.base is not None and p.grad is not p.grad_home:
                     p.grad = p.grad.copy()
         return p.grad
 

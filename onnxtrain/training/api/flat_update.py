@@ -9,7 +9,11 @@ without gradient clipping or loss scaling (their global norm would sum in anothe
 model instead. Weights and moments then live in one buffer per dtype: ``Parameter.data`` becomes a view of
 it, except an array that something besides the state holds, which keeps its identity and has its values
 copied in before each step and out after it (an array taken earlier sees the updates). Gradients are
-gathered into one buffer per dtype each step (one pass over them).
+gathered into one buffer per dtype each step (one pass over them), except when the Module's training runs on
+the onnxruntime backend (``grads_in_place``): there ``Parameter.grad`` becomes a view of that buffer too,
+which onnxruntime writes each step's gradients into (the Module binds them as its outputs), so the update
+reads them where they were computed. A ``.grad`` array that something else holds keeps its identity and has
+its values copied in before each step.
 
 Session config entry ``onnxtrain.flat_update = "0"`` runs the optimizer model as it is.
 """
@@ -28,7 +32,7 @@ from onnx import helper
 from onnxtrain.engine.interface import GraphInterface
 from onnxtrain.flat_settings import SINGLE_MIN
 from onnxtrain.ir.builder import model_opset
-from onnxtrain.training.api.checkpoint_state import _Param, data_unheld
+from onnxtrain.training.api.checkpoint_state import _Param, data_unheld, grad_unheld
 from onnxtrain.training.onnxblock.model_accessor import BlockError
 
 _META_ALGORITHM, _META_HYPER = "onnxtrain.optimizer", "onnxtrain.hyperparameters"
@@ -75,7 +79,9 @@ class _Group:
     moments: dict[str, np.ndarray] = field(default_factory=dict)
     views: list[tuple[str, np.ndarray]] = field(default_factory=list)  # parameter → its view of ``flat``
     moment_views: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # (parameter, key, view)
+    grad_views: list[tuple[str, np.ndarray]] = field(default_factory=list)  # parameter → its view of ``grad``
     held: set[str] = field(default_factory=set)  # parameters whose own arrays are copied in and out
+    grads_held: set[str] = field(default_factory=set)  # parameters whose own .grad arrays are copied in
 
     def allocate(self, keys: Sequence[str]) -> None:
         self.flat = np.empty(self.size, self.dtype)
@@ -85,6 +91,7 @@ class _Group:
         for p, shape in zip(self.params, self.shapes):
             n = int(np.prod(shape))
             self.views.append((p, self.flat[at:at + n].reshape(shape)))
+            self.grad_views.append((p, self.grad[at:at + n].reshape(shape)))
             self.moment_views += [(p, k, m[at:at + n].reshape(shape)) for k, m in self.moments.items()]
             at += n
 
@@ -93,8 +100,9 @@ class FlatUpdate:
     """The flat model's plan and buffers; :meth:`step` is one optimizer step over the state's arrays."""
 
     def __init__(self, plan: GraphInterface, groups: list[_Group], keys: list[str], updated: list[str],
-                 release_bindings: Callable[[], None]) -> None:
+                 release_bindings: Callable[[], None], grads_in_place: bool = False) -> None:
         self.plan = plan
+        self.grads_in_place = grads_in_place  # .grad a view of the flat gradients (see the module's doc)
         self.groups = groups
         self.keys = keys  # the moments the model reads
         self.updated = updated  # ... and those it returns new values of
@@ -105,11 +113,11 @@ class FlatUpdate:
     @classmethod
     def build(cls, model: onnx.ModelProto, params: list[tuple[str, onnx.TypeProto]], keys: list[str],
               compile_model: Callable[[onnx.ModelProto, dict[str, str]], GraphInterface],
-              release_bindings: Callable[[], None]) -> FlatUpdate | None:
+              release_bindings: Callable[[], None], grads_in_place: bool = False) -> FlatUpdate | None:
         """The flat update of the optimizer ``model`` over ``params`` (parameter, input type, in the model's
         input order) with moments ``keys``, when the model is exactly what its recorded block generates for
         them; else None. ``compile_model(model, updates)`` compiles the flat model (``updates``: output →
-        the input it replaces)."""
+        the input it replaces); ``grads_in_place``: the gradients are made views of the flat buffer."""
         from onnxtrain.training.optimizer_model import build_optimizer_model
 
         block = _block_of(model)
@@ -157,7 +165,8 @@ class FlatUpdate:
         updates = {f"{x}.out": x for g in ordered for x in [g.name, *(f"{g.name}.{k}" for k in updated)]}
         if not set(updates) <= have:
             return None
-        return cls(compile_model(flat, updates), ordered, state_keys, updated, release_bindings)
+        return cls(compile_model(flat, updates), ordered, state_keys, updated, release_bindings,
+                   grads_in_place)
 
     def step(self, lr: np.ndarray, count: np.ndarray, params: dict[str, _Param],
              moments: dict[str, dict[str, np.ndarray]],
@@ -178,10 +187,14 @@ class FlatUpdate:
                 kept = [slot[k] for k in self.keys]
             else:
                 self._gather(g, params, moments)
-                parts = [params[p].grad for p in g.params]
-                if any(x is None for x in parts):
-                    parts = [x if x is not None else np.zeros(s, g.dtype) for x, s in zip(parts, g.shapes)]
-                grad = np.concatenate(parts, axis=None, out=g.grad)
+                if self.grads_in_place:
+                    grad = g.grad
+                else:
+                    parts = [params[p].grad for p in g.params]
+                    if any(x is None for x in parts):
+                        parts = [x if x is not None else np.zeros(s, g.dtype)
+                                 for x, s in zip(parts, g.shapes)]
+                    grad = np.concatenate(parts, axis=None, out=g.grad)
                 flat = g.flat
                 kept = [g.moments[k] for k in self.keys]
             feeds[g.name] = flat
@@ -206,7 +219,8 @@ class FlatUpdate:
     def _gather(self, g: _Group, params: dict[str, _Param],
                 moments: dict[str, dict[str, np.ndarray]]) -> None:
         """Make the group's views the state's arrays where they are not (the first step, a load since):
-        values copied in, a parameter's array replaced by its view unless something else holds it."""
+        values copied in, a parameter's array replaced by its view unless something else holds it; with
+        ``grads_in_place`` the same for the gradients (a held one is copied in at each step)."""
         if g.flat is None:
             g.allocate(self.keys)
         released = False
@@ -228,3 +242,22 @@ class FlatUpdate:
             if slot[k] is not view:
                 np.copyto(view, slot[k])
                 slot[k] = view
+        if not self.grads_in_place:
+            return
+        for p, view in g.grad_views:
+            prm = params[p]
+            if prm.grad is view:
+                continue
+            if prm.grad is None:
+                view[...] = 0
+                prm.grad = prm.grad_home = view
+                continue
+            if p not in g.grads_held and not released:
+                self._release_bindings()
+                released = True
+            np.copyto(view, prm.grad)
+            if grad_unheld(prm):
+                prm.grad = prm.grad_home = view
+                g.grads_held.discard(p)
+            else:
+                g.grads_held.add(p)

@@ -293,8 +293,11 @@ class Optimizer:
         def compile_flat(flat: Any, updates: dict[str, str]) -> Any:
             return _compile(flat, "optimizer", options, follower=True, updates=updates, scalar_inputs=scalars)
 
+        # onnxruntime writes the Module's gradients into the arrays .grad holds (IOBinding outputs): the
+        # flat gradient buffer's views, so that no step gathers them
+        in_place = getattr(self._module._overwrite_plan, "backend", None) == "onnxruntime"
         return FlatUpdate.build(model, params, self._moment_keys, compile_flat,
-                                self._module._release_bindings)
+                                self._module._release_bindings, grads_in_place=in_place)
 
     def _fingerprint(self, optimizer_model: Any) -> dict[str, Any]:
         """What every data-parallel rank must hold identically (digests of graphs and values)."""
