@@ -53,13 +53,6 @@ _ZERO_TEST_MAX = 64  # a constant of more values is not looked at for being all 
 RawStep = tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]
 
 
-def _cast_to(node: onnx.NodeProto) -> int | None:
-    for a in node.attribute:
-        if a.name == "to":
-            return int(a.i)
-    return None
-
-
 def _is_zeros(value: Any) -> bool:
     """True for a small numeric constant all of whose values are 0."""
     size = getattr(value, "size", None)
@@ -85,7 +78,7 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
            signed: list[bool], r: int) -> bool:
     """Whether ``value`` read by ``step`` (index ``r``) decides a discrete result: ``exact_sign`` when the
     value has its correctly rounded sign; ``general``/``signed``: the same for ``r``'s outputs."""
-    node, ins = step[0], step[3]
+    node, attrs, ins = step[0], step[2], step[3]
     op = node.op_type
     if node.domain not in ("", "ai.onnx"):
         return False
@@ -95,7 +88,7 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
         tests_sign = op == "Sign" or any(s in zeros for s in ins if s != value)
         return not (exact_sign and tests_sign)
     if op == "Cast":
-        to = _cast_to(node)
+        to = attrs.get("to")  # as the plan parsed it
         if to not in _FLOAT_TYPES:
             return True
         # float16, bfloat16: two float32 neighbours can round to 0 and to the type's smallest step
