@@ -278,6 +278,49 @@ def test_split_work_fills_up_the_thread_that_runs_no_whole_segment(monkeypatch) 
     assert abs(pieces[whole_part] - 3500) <= 64 and sum(pieces.values()) == 10_000
 
 
+def test_split_pieces_below_the_blocking_size_run_as_one_block(monkeypatch) -> None:
+    """A split segment's pieces are cut into blocks only when a piece's working set is at least
+    BLOCK_MIN_BYTES (as a whole segment would be): a blocked segment whose halves fall below it runs each
+    half in one block, with the same bits as one thread and the unfused graph."""
+    from onnxtrain.engine.fusion import blocked as fusion
+    from tests.engine.test_fusion import two_weight_update
+
+    monkeypatch.setattr(fusion, "RIDE_MIN", 0)
+    monkeypatch.setattr(fusion, "UPDATE_PAR_MIN_WORK", 6 * 10_000)
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 6 * 10_000)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    feeds = _weight_feeds(23, ((100, 100), (50, 60)), own_lr=False)
+    blocks: list[tuple[int, int, int]] = []  # (segment size, piece length, block)
+    real = fusion.Segment._run_range
+
+    def spy(self, bv, slots, start, stop, block, views):
+        blocks.append((self.n, stop - start, block))
+        return real(self, bv, slots, start, stop, block, views)
+
+    for whole_limit, cut in ((10_000, False), (2_000, True)):
+        blocks.clear()
+        monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 1)  # the segment itself is blocked
+        plan = Plan(two_weight_update(), threads=2)
+        plan.run(feeds)
+        (prog,) = plan.steps[0].fn.programs.values()
+        seg = next(s for s in prog[5].segments if s.n == 10_000)
+        assert seg.par and seg.block < 5_000
+        seg_bytes = seg.bytes_per_element
+        # pieces of under 7,000 values (the other thread also runs the small weight whole): under the limit
+        # of ``whole_limit`` values' bytes unless ``cut``
+        monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", whole_limit * seg_bytes)
+        monkeypatch.setattr(fusion.Segment, "_run_range", spy)
+        for got, want in zip(plan.run(feeds), Plan(two_weight_update(), fuse=False).run(feeds)):
+            assert got.tobytes() == want.tobytes()
+        monkeypatch.setattr(fusion.Segment, "_run_range", real)
+        pieces = [(length, block) for n, length, block in blocks if n == 10_000]
+        assert len(pieces) == 2 and sum(length for length, _ in pieces) == 10_000
+        if cut:
+            assert all(block == seg.block for _, block in pieces)
+        else:
+            assert all(block >= length for length, block in pieces)  # one block each
+
+
 def sibling_updates() -> onnx.ModelProto:
     """Two weights updated by chains that share no computed value (a legacy optimizer graph's per-weight
     updates, each with its own step size input): two clusters side by side."""

@@ -548,6 +548,7 @@ class Segment:
             block=block,
             par=n >= 2 * _BLOCK_ALIGN and n * cost >= (UPDATE_PAR_MIN_WORK if any(reuse) else PAR_MIN_WORK),
             per_element=cost,
+            bytes_per_element=per_elem,
             n_bv=n_slots + len(consts),
             consts=consts,
             small=sorted(local[s] for s in m_inputs if not whole(s)),
@@ -620,7 +621,12 @@ class Segment:
         """The segment cut into one piece per thread (thread ``t`` runs piece ``t``), of the fractions
         ``shares`` of its elements (a piece may be empty)."""
         ranges = _cut(self.n, shares, _BLOCK_ALIGN)
-        block = min(self.block, max(hi - lo for lo, hi in ranges))
+        longest = max(hi - lo for lo, hi in ranges)
+        # a piece whose working set is below BLOCK_MIN_BYTES runs as one block, as a segment of that size
+        # would: each block costs every thread a round of ufunc calls, each a GIL handover that a thread
+        # waiting on it pays with a wake-up (the MLP's two split weights, 0.2 M and 0.13 M values a piece:
+        # Optimizer.step 0.85-0.94x in a training step, bench/HISTORY.md 2026-12-07)
+        block = min(self.block, longest) if longest * self.bytes_per_element >= BLOCK_MIN_BYTES else longest
         views = [self._views(t, block) if hi > lo else [] for t, (lo, hi) in enumerate(ranges)]  # taken here:
         # the pool is not thread-safe
         return [functools.partial(self._run_range, list(bv), slots, lo, hi, block, views[t])
