@@ -241,3 +241,44 @@ def test_softmax_cross_entropy_2d_with_ignored_targets_matches_the_general_path(
     model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction, ignore_index=-100)
     (loss,) = compile_model(model).run({"x0": x, "x1": t})
     np.testing.assert_array_equal(loss, _general_sce(x, t, reduction, -100)[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(2, 4), (64, 10), (7, 3)])
+@pytest.mark.parametrize("special", [False, True])
+def test_softmax_cross_entropy_2d_small_inputs_have_the_bits_of_the_row_split_path(
+    dtype: type, reduction: str, shape: tuple[int, int], special: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scores below MIN_VALUES take the inlined rows path; the same bits as the path that splits the rows
+    over threads (forced here with MIN_VALUES = 0), the mean as np.mean computes it, and float64's values."""
+    from onnxtrain.engine.kernels import loss as loss_module
+
+    rng = np.random.default_rng(shape[0])
+    x = rng.normal(0, 3, shape).astype(dtype)
+    t = rng.integers(0, shape[1], shape[0]).astype(np.int64)
+    if special:  # a row with -0.0 and +0.0 tied at its max, an infinite score, a NaN
+        x[0, :2] = [-0.0, 0.0]
+        x[0, 2:] = -1e4
+        x[1, 0] = -np.inf
+        x[-1, -1] = np.nan
+    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction)
+    model.graph.node[0].output.append("logp")
+    model.graph.output.append(helper.make_tensor_value_info("logp", helper.np_dtype_to_tensor_dtype(x.dtype),
+                                                            None))
+    small = compile_model(model).run({"x0": x, "x1": t})
+    monkeypatch.setattr(loss_module, "MIN_VALUES", 0)
+    split = compile_model(model).run({"x0": x, "x1": t})
+    for a, b in zip(small, split):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    per = -_general_sce(x, t, "none")[0]
+    if reduction == "mean":
+        assert small[0].tobytes() == np.asarray(np.mean(-per, dtype=dtype)).tobytes()
+    if not special:
+        x64 = x.astype(np.float64)
+        lp = x64 - x64.max(1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(1, keepdims=True))
+        want = -lp[np.arange(shape[0]), t]
+        want = {"none": want, "sum": want.sum(), "mean": want.mean()}[reduction]
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(small[0], want, rtol=tol, atol=tol)

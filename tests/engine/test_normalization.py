@@ -416,3 +416,46 @@ def test_bias_gradient_sum_by_rows(rows: int, dtype) -> None:
                 assert np.array_equal(y.reshape(-1), np.ones(rows, dtype) @ x)
             else:
                 assert np.array_equal(y, np.sum(x, axis=0, keepdims=bool(keep)))
+
+
+@pytest.mark.parametrize("shape", [(2, 16), (64, 10), (64, 512), (256, 512), (1, 1), (3, 1)])
+@pytest.mark.parametrize("axis", [0, -2])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bias_gradient_fast_path_matches_the_general_path(shape, axis, keepdims, dtype) -> None:
+    """ReduceSum over axis 0 of a 2-D float array with an int64 axes input (a bias's gradient) takes the fast
+    path, with the bits of the general path (the axes attribute of opset 11) and float64's values; NaN, ±inf
+    and -0.0 included."""
+    from onnxtrain.engine.kernels import reduce
+
+    x = (np.random.default_rng(sum(shape)).standard_normal(shape) * 1e3).astype(dtype)
+    if x.size > 4:
+        x.reshape(-1)[:4] = [np.nan, np.inf, -0.0, -np.inf]
+    axes = np.array([axis], np.int64)
+    assert reduce._bias_sum(x, axes, keepdims) is not None
+    (fast,) = _ours("ReduceSum", [x, axes], 13, keepdims=keepdims)
+    (general,) = _ours("ReduceSum", [x], 11, axes=[axis], keepdims=keepdims)
+    assert fast.dtype == general.dtype == dtype and fast.shape == general.shape
+    assert fast.tobytes() == general.tobytes()
+    finite = np.isfinite(x).all(axis=0)
+    exact = x.astype(np.float64).sum(axis=0, keepdims=bool(keepdims))
+    np.testing.assert_allclose(fast.reshape(-1)[finite], exact.reshape(-1)[finite],
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-2)
+
+
+@pytest.mark.parametrize("x, axes", [
+    (np.ones((4, 3), np.float32)[:, ::2], [0]),  # not contiguous
+    (np.ones((4, 3), np.int64), [0]),  # integers
+    (np.ones((4, 3, 2), np.float32), [0]),  # rank 3
+    (np.ones((4, 3), np.float32), [1]),  # another axis
+    (np.ones((4, 3), np.float32), [0, 1]),  # two axes
+    (np.ones((0, 3), np.float32), [0]),  # empty
+    (np.ones((4, 3), np.float16), [0]),  # half
+])
+def test_bias_gradient_fast_path_leaves_other_sums_to_the_general_path(x, axes) -> None:
+    from onnxtrain.engine.kernels import reduce
+
+    a = np.array(axes, np.int64)
+    assert reduce._bias_sum(x, a, 0) is None
+    (y,) = _ours("ReduceSum", [x, a], 13, keepdims=0)
+    np.testing.assert_array_equal(y, x.astype(np.float64).sum(axis=tuple(axes)).astype(x.dtype))

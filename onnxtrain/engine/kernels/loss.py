@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.engine.kernels.buffering import call_with_buffer, run_size
+from onnxtrain.engine.kernels.buffering import MIN_VALUES, call_with_buffer, run_size
 from onnxtrain.engine.kernels.half_cast import from_single, to_single
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
@@ -89,6 +89,15 @@ def negative_log_likelihood_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
 _LEAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def _log_softmax_rows(x: np.ndarray, logp: np.ndarray, starts: np.ndarray) -> None:
+    """The log-softmax of each row of the C-contiguous 2-D ``x`` into ``logp``; ``starts``: the rows' flat
+    offsets."""
+    # row maxima as one reduceat over the row starts (a maximum is exact in any order)
+    np.subtract(x, np.maximum.reduceat(x.reshape(-1), starts)[:, None], out=logp)
+    s = row_sum(np.exp(logp))
+    logp -= np.log(s, out=s)
+
+
 def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """The loss and log-probabilities of (N, C) scores and N class indices, no weights or ignored class:
@@ -99,22 +108,20 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
     (none of ``target`` is it), and the general path's mean divides by the sum of the (unit) weights."""
     n, c = x.shape
     logp = np.empty_like(x)
-
-    def rows_of(xb: np.ndarray, lb: np.ndarray) -> None:
-        # row maxima as one reduceat over the row starts (a maximum is exact in any order)
-        np.subtract(xb, np.maximum.reduceat(xb.reshape(-1), row_starts(xb.shape[0], c))[:, None], out=lb)
-        s = row_sum(np.exp(lb))
-        lb -= np.log(s, out=s)
-
-    def rows(lo: int, hi: int) -> None:
-        # (the per-row subtractions walk long rows in place, not through numpy's buffer: buffering.py)
-        call_with_buffer(run_size(c, (hi - lo) * c), rows_of, x[lo:hi], logp[lo:hi])
-
-    # split by rows over the run's threads from about 786 K scores (each row computed as in one piece: the
-    # same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678, (1024,
-    # 1000) 1248 / 857, the bench GPT decoder's (1,024 rows of a 1,000-word head; 1.56 ms of its step)
-    for_rows(n, x.size * 2 // 3, rows)
     starts = row_starts(n, c)
+    if x.size < MIN_VALUES:  # one range on this thread, numpy's own buffer: the rows below, inlined
+        _log_softmax_rows(x, logp, starts)
+    else:
+        def rows(lo: int, hi: int) -> None:
+            # (the per-row subtractions walk long rows in place, not through numpy's buffer: buffering.py)
+            call_with_buffer(run_size(c, (hi - lo) * c), _log_softmax_rows, x[lo:hi], logp[lo:hi],
+                             starts[:hi - lo])
+
+        # split by rows over the run's threads from about 786 K scores (each row computed as in one piece:
+        # the same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678,
+        # (1024, 1000) 1248 / 857, the bench GPT decoder's (1,024 rows of a 1,000-word head; 1.56 ms of its
+        # step)
+        for_rows(n, x.size * 2 // 3, rows)
     if not in_range(target, c):
         raise ValueError(f"target holds class indices outside [0, {c}) that are not ignore_index")
     loss = logp.reshape(-1).take(starts + target)
@@ -126,8 +133,9 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
         return np.asarray(total), logp
     if reduction == "mean" and weighed:  # the sum over the sum of n unit weights, in the loss's dtype
         return np.asarray(total / total.dtype.type(n)), logp
-    if reduction == "mean":  # as np.mean computes it: the sum over a count of type intp, cast back
-        return np.asarray(total.dtype.type(total / np.intp(n))), logp
+    if reduction == "mean":  # as np.mean computes it: the sum over a count of type intp (so in float64), cast
+        # back; float(total) / n is that division without numpy's scalar promotion (2.6 → 0.3 µs)
+        return np.asarray(total.dtype.type(float(total) / n)), logp
     raise ValueError(f"unknown reduction {reduction!r}; expected none, sum or mean")
 
 

@@ -74,14 +74,16 @@ def _finish(y: Any, dt: np.dtype) -> np.ndarray:
 Reducer = Callable[[np.ndarray, Any, bool], Any]
 
 
-def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: bool = True) -> None:
+def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: bool = True,
+              fast: Callable[[Any, Any, Any], np.ndarray | None] | None = None) -> None:
     """Register ``op``: axes attribute for opsets < ``attr_until``, axes input from then on.
 
     ``fn(x, axes, keepdims)`` does the reduction; ``empty`` (a value or a callable of the dtype)
     is the result over an empty set, when numpy would raise or differ. With no axes and
     ``noop_with_empty_axes``, a ``plain`` reduction passes its input through; the others still
     apply their elementwise part (ReduceL1 gives |x|, ReduceLogSum log x), as their ONNX
-    function bodies do.
+    function bodies do. ``fast(x, axes input, keepdims)``, when given, is tried first on the axes-input
+    form: its result, or None to take the general path.
     """
 
     def run(x: np.ndarray, axes: Any, keepdims: bool) -> Outputs:
@@ -102,6 +104,10 @@ def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: b
 
     def with_input(inputs: Inputs, attrs: Attrs) -> Outputs:
         axes = inputs[1] if len(inputs) > 1 else None
+        if fast is not None and axes is not None:
+            y = fast(inputs[0], axes, attrs["keepdims"])
+            if y is not None:
+                return (y,)
         return run(inputs[0], _input_axes(axes, attrs), bool(attrs["keepdims"]))
 
     with_attr.__name__ = f"{op.lower()}_axes_attr"
@@ -147,6 +153,39 @@ def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | 
     rows = math.prod(w.shape[:k])
     y = np.ones(rows, w.dtype) @ w.reshape(rows, -1)
     return y.reshape((1,) * k + w.shape[k:] if keepdims else w.shape[k:])
+
+
+def _ones(rows: int, dtype: np.dtype) -> np.ndarray:
+    """A read-only vector of ``rows`` ones (kept for the last few row counts and dtypes)."""
+    key = (rows, dtype)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) >= 16:
+            _ONES.clear()
+        ones = _ONES[key] = np.ones(rows, dtype)
+        ones.flags.writeable = False
+    return ones
+
+
+_ONES: dict[tuple[int, np.dtype], np.ndarray] = {}
+
+
+def _bias_sum(x: Any, axes: Any, keepdims: Any) -> np.ndarray | None:
+    """ReduceSum of a non-empty, contiguous 2-D float32/64 array over axis 0 given as a one-value int64 axes
+    input (each bias's gradient in a training step), as :func:`_leading_axes_sum` computes it, without the
+    general path's axes parsing and checks (5-10 µs of each such step out of cache); None for any other
+    call."""
+    if (type(x) is not np.ndarray or x.ndim != 2 or type(axes) is not np.ndarray or axes.dtype != _I64
+            or axes.size != 1 or x.dtype not in _BLAS_FLOATS or not x.size or not x.flags.c_contiguous
+            or axes.item() not in (0, -2)):
+        return None
+    if x.size < BLAS_SUM_MIN:
+        return np.add.reduce(x, axis=(0,), dtype=x.dtype, keepdims=bool(keepdims))
+    y = _ones(x.shape[0], x.dtype) @ x
+    return y.reshape(1, -1) if keepdims else y
+
+
+_I64 = np.dtype(np.int64)
 
 
 def channel_sum(w: np.ndarray, other: np.ndarray | None = None) -> np.ndarray | None:
@@ -323,7 +362,7 @@ def _dtype_max(dt: np.dtype) -> Any:
     return True if dt.kind == "b" else np.iinfo(dt).max if dt.kind in "iu" else np.inf
 
 
-_register("ReduceSum", 13, _sum)
+_register("ReduceSum", 13, _sum, fast=_bias_sum)
 _register("ReduceMean", 18, _mean)
 _register("ReduceMax", 18, _max, empty=_dtype_min)
 _register("ReduceMin", 18, _min, empty=_dtype_max)
