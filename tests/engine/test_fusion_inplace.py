@@ -49,8 +49,8 @@ def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def test_relu_and_relu_gradient_write_into_their_products_bit_identically() -> None:
     m = relu_layer_and_grad()
     fused, plain = Plan(m), Plan(m, fuse=False)
-    assert "InplaceRelu" in ops(fused) and "InplaceWhere" in ops(fused)
-    assert "Relu" not in ops(fused) and "Where" not in ops(fused)
+    assert "InplaceRelu" in ops(fused) and "InplaceReluGrad" in ops(fused)
+    assert "Relu" not in ops(fused) and "Where" not in ops(fused) and "Greater" not in ops(fused)
     rng = np.random.default_rng(0)
     f = feeds(rng)
     first = fused.run(f)
@@ -269,3 +269,62 @@ def test_a_bias_added_into_a_product_keeps_the_adds_operand_order_for_nans(bias_
     got, want = fused.run(f)[0], plain.run(f)[0]
     it = np.uint32 if dtype == np.float32 else np.uint16
     np.testing.assert_array_equal(got.view(it), want.view(it))
+
+
+def relu_grad_of(r_shape: tuple[int, ...], mask_output: bool = False, c: float = 0.0) -> onnx.ModelProto:
+    """dx = Where(r > c, dy @ v, +0.0): a ReLU gradient of an activation ``r`` fed as it is."""
+    fill = helper.make_node("Constant", [], ["fill"], value=numpy_helper.from_array(np.float32(0), "fill"))
+    cst = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.float32(c), "c"))
+    nodes = [fill, cst, helper.make_node("Greater", ["r", "c"], ["mask"]),
+             helper.make_node("MatMul", ["dy", "v"], ["d"]),
+             helper.make_node("Where", ["mask", "d", "fill"], ["dx"])]
+    outputs = ["dx", "mask"] if mask_output else ["dx"]
+    return model(nodes, ["r", "dy", "v"], outputs, output_types={"mask": onnx.TensorProto.BOOL})
+
+
+def relu_grad_feeds(rng: np.random.Generator, r_shape: tuple[int, ...],
+                    dtype=np.float32) -> dict[str, np.ndarray]:
+    r = rng.standard_normal(r_shape).astype(dtype)
+    r.reshape(-1)[:6] = [np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-45]
+    dy = rng.standard_normal((r_shape[-2] if len(r_shape) > 1 else 8, 5)).astype(dtype)
+    dy[0, :3] = [np.nan, -0.0, np.inf]
+    return {"r": r, "dy": dy, "v": rng.standard_normal((5, r_shape[-1])).astype(dtype)}
+
+
+@pytest.mark.parametrize("c", [0.0, -0.0, 0.5])
+def test_relu_gradient_computes_its_mask_in_the_fused_step_bit_identically(c: float) -> None:
+    """Where(Greater(r, c), dX, +0.0) with the mask read by the Where alone: one step, no Greater; the unfused
+    plan's bits (NaN, ±0, ±inf in r and dX), and float64's values."""
+    m = relu_grad_of((12, 7), c=c)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["MatMul", "InplaceReluGrad"]
+    f = relu_grad_feeds(np.random.default_rng(3), (12, 7))
+    want = plain.run(f)[0]
+    for _ in range(2):
+        got = fused.run(f)[0]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    d64 = f["dy"].astype(np.float64) @ f["v"].astype(np.float64)
+    ref = np.where(f["r"] > np.float32(c), d64, 0.0)
+    close = np.isfinite(ref)
+    np.testing.assert_allclose(want[close], ref[close], rtol=1e-5, atol=1e-5)
+    assert not np.signbit(want[~(f["r"] > np.float32(c))]).any()  # +0.0 where masked, NaN rows included
+
+
+def test_relu_gradient_whose_mask_is_read_elsewhere_keeps_its_greater() -> None:
+    m = relu_grad_of((12, 7), mask_output=True)
+    fused = Plan(m)
+    assert "Greater" in ops(fused) and "InplaceWhere" in ops(fused) and "InplaceReluGrad" not in ops(fused)
+    f = relu_grad_feeds(np.random.default_rng(4), (12, 7))
+    for a, w in zip(fused.run(f), Plan(m, fuse=False).run(f)):
+        assert a.tobytes() == w.tobytes()
+
+
+def test_relu_gradient_of_a_broadcast_activation_runs_the_original_steps() -> None:
+    """r of shape (1, 7) against dX of (12, 7): the mask broadcasts; the fused step runs Greater and Where."""
+    m = relu_grad_of((1, 7))
+    fused = Plan(m)
+    assert "InplaceReluGrad" in ops(fused)
+    f = relu_grad_feeds(np.random.default_rng(5), (1, 7))
+    f["dy"] = np.random.default_rng(6).standard_normal((12, 5)).astype(np.float32)
+    got, want = fused.run(f)[0], Plan(m, fuse=False).run(f)[0]
+    assert got.shape == want.shape == (12, 7) and got.tobytes() == want.tobytes()

@@ -32,27 +32,27 @@ if TYPE_CHECKING:
 
 def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     """Rewrite each Relu, and each ``Where(c, x, 0)``, whose data input is a product (a step of
-    :data:`~onnxtrain.engine.donation.FRESH_OPS`) read by that step alone, to write into that input."""
+    :data:`~onnxtrain.engine.donation.FRESH_OPS`) read by that step alone, to write into that input; such a
+    Where whose ``c`` is a ``Greater`` that it alone reads (a ReLU gradient) computes the mask itself."""
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
+    written = {k: data for k, st in enumerate(steps)
+               if (data := _written_input(plan, steps, cons, prod, kept, k, st)) is not None}
+    masks = {k: g for k, g in _relu_grad_masks(steps, cons, prod, kept).items() if k in written}
+    dropped = set(masks.values())
     out: list[Step] = []
     for k, st in enumerate(steps):
-        op = st.node.op_type
-        data = None
-        fresh = FRESH_OPS
-        if op == "Relu" and len(st.inputs) == 1:
-            data = st.inputs[0]
-        elif op == "Where" and len(st.inputs) == 3 and min(st.inputs) >= 0 and _is_zero(plan, st.inputs[2]):
-            data = st.inputs[1]
-        elif op == "ScatterElements" and len(st.inputs) == 3:
-            data, fresh = st.inputs[0], SCATTER_FRESH_OPS
-        elif op == "Mul" and len(st.inputs) == 2:
-            data, fresh = _scattered(steps, prod, st), SCATTERS
-        if data is None or data in kept or cons.get(data) != [k] or st.node.domain not in DEFAULT_DOMAINS:
+        if k in dropped:  # a ReLU gradient's Greater, computed by its fused Where
+            continue
+        data = written.get(k)
+        if data is None:
             out.append(st)
             continue
-        m = prod.get(data)
-        if m is None or steps[m].node.op_type not in fresh:
-            out.append(st)
+        op = st.node.op_type
+        if k in masks:
+            greater = steps[masks[k]]
+            run = _relu_grad_over(plan, greater, st)
+            out.append(make_step(plan, "InplaceReluGrad", [greater, st], (*greater.inputs, *st.inputs[1:]),
+                                 st.outputs, run))
             continue
         if op == "Mul":
             run = _scale_over(plan, st, st.inputs.index(data))
@@ -61,6 +61,26 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             run = over(plan, st)
         out.append(make_step(plan, f"Inplace{op}", [st], st.inputs, st.outputs, run))
     return out
+
+
+def _written_input(plan: Plan, steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int],
+                   kept: set[int], k: int, st: Step) -> int | None:
+    """The input slot step ``k`` may write its result into (a product only it reads), or None."""
+    op = st.node.op_type
+    data = None
+    fresh = FRESH_OPS
+    if op == "Relu" and len(st.inputs) == 1:
+        data = st.inputs[0]
+    elif op == "Where" and len(st.inputs) == 3 and min(st.inputs) >= 0 and _is_zero(plan, st.inputs[2]):
+        data = st.inputs[1]
+    elif op == "ScatterElements" and len(st.inputs) == 3:
+        data, fresh = st.inputs[0], SCATTER_FRESH_OPS
+    elif op == "Mul" and len(st.inputs) == 2:
+        data, fresh = _scattered(steps, prod, st), SCATTERS
+    if data is None or data in kept or cons.get(data) != [k] or st.node.domain not in DEFAULT_DOMAINS:
+        return None
+    m = prod.get(data)
+    return data if m is not None and steps[m].node.op_type in fresh else None
 
 
 # a cross-entropy gradient scatters −1 at the labels of exp(log-probabilities): the Exp's array is new too
@@ -78,6 +98,25 @@ def _scattered(steps: list[Step], prod: dict[int, int], st: Step) -> int | None:
         if m is not None and steps[m].node.op_type in SCATTERS:
             return s
     return None
+
+
+def _relu_grad_masks(steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int],
+                     kept: set[int]) -> dict[int, int]:
+    """For each ``Where(Greater(r, c), dX, ·)`` whose mask that Where alone reads: the Where's index → the
+    Greater's (the Where is fused only when it is rewritten in place below)."""
+    found: dict[int, int] = {}
+    for k, st in enumerate(steps):
+        if st.node.op_type != "Where" or len(st.inputs) != 3 or min(st.inputs) < 0:
+            continue
+        mask = st.inputs[0]
+        g = prod.get(mask)
+        if g is None or mask in kept or cons.get(mask) != [k] or mask in st.inputs[1:]:
+            continue
+        greater = steps[g]
+        if (greater.node.op_type == "Greater" and len(greater.inputs) == 2 and min(greater.inputs) >= 0
+                and len(greater.outputs) == 1 and greater.node.domain in DEFAULT_DOMAINS):
+            found[k] = g
+    return found
 
 
 def _is_zero(plan: Plan, s: int) -> bool:
@@ -123,6 +162,38 @@ def _where_zero_over(plan: Plan, st: Step) -> Callable:
         return plan._call(st, list(inputs))
 
     return run
+
+
+def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
+    """``Where(Greater(r, c), x, +0.0)`` written into ``x`` in one step: the mask by the ufunc the Greater
+    kernel calls (a comparison: exact), then the select as :func:`_where_zero_over` computes it."""
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        r, c, x, zero = inputs
+        it = BITS_INT.get(x.dtype.itemsize) if type(x) is np.ndarray else None
+        if (
+            it is not None
+            and _own(x)
+            and x.dtype in _FLOATS
+            and type(r) is np.ndarray
+            and r.shape == x.shape
+            and r.dtype == x.dtype
+            and type(c) is np.ndarray
+            and c.dtype == x.dtype
+            and c.size == 1
+            and c.ndim <= x.ndim
+            and zero.dtype == x.dtype
+            and zero.ndim <= x.ndim  # (a [1, 1, 1] zero adds axes to the Where's output)
+        ):
+            bits = x.view(it)
+            np.multiply(bits, np.greater(r, c).view(np.int8), out=bits, dtype=it)
+            return (x,)
+        return plan._call(where, [plan._call(greater, [r, c])[0], x, zero])
+
+    return run
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _scale_over(plan: Plan, st: Step, pos: int) -> Callable:
