@@ -129,7 +129,8 @@ def _runs_in_place_like_plain(m: onnx.ModelProto, f: dict[str, np.ndarray], op: 
     from onnx.reference import ReferenceEvaluator
 
     fused, plain = Plan(m), Plan(m, fuse=False)
-    assert f"Inplace{op}" in ops(fused) and op not in ops(fused)
+    # (an Exp → ScatterElements → Mul chain is one InplaceCrossEntropyGrad step)
+    assert op not in ops(fused) and (f"Inplace{op}" in ops(fused) or "InplaceCrossEntropyGrad" in ops(fused))
     want = plain.run(f)[0]
     for _ in range(2):
         got = fused.run(f)[0]
@@ -328,3 +329,73 @@ def test_relu_gradient_of_a_broadcast_activation_runs_the_original_steps() -> No
     f["dy"] = np.random.default_rng(6).standard_normal((12, 5)).astype(np.float32)
     got, want = fused.run(f)[0], Plan(m, fuse=False).run(f)[0]
     assert got.shape == want.shape == (12, 7) and got.tobytes() == want.tobytes()
+
+
+def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = False,
+                            reduction: str = "add") -> onnx.ModelProto:
+    """dz = ScatterElements(Exp(logp), Unsqueeze(labels), −1) · (1 / rows): the gradient of a mean
+    SoftmaxCrossEntropyLoss as the training graph writes it (a one-value scale)."""
+    et, i64 = helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), onnx.TensorProto.INT64
+    nodes = [
+        helper.make_node("Exp", ["logp"], ["p"]),
+        helper.make_node("Unsqueeze", ["labels", "one"], ["idx"]),
+        helper.make_node("ScatterElements", ["p", "idx", "minus"], ["d"], axis=-1, reduction=reduction),
+        helper.make_node("Mul", ["scale", "d"] if scale_first else ["d", "scale"], ["dz"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "mean_ce_grad",
+        [helper.make_tensor_value_info("logp", et, [rows, cols]),
+         helper.make_tensor_value_info("labels", i64, [rows]),
+         helper.make_tensor_value_info("minus", et, [rows, 1]),
+         helper.make_tensor_value_info("scale", et, [])],
+        [helper.make_tensor_value_info("dz", et, [rows, cols])],
+        [numpy_helper.from_array(np.array([1], np.int64), "one")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale_first", [False, True])
+@pytest.mark.parametrize("reduction", ["add", "none"])
+@pytest.mark.parametrize("shape", [(2, 4), (64, 10), (300, 7)])
+def test_cross_entropy_gradient_is_one_step_bit_identically(dtype, scale_first: bool, reduction: str,
+                                                            shape: tuple[int, int]) -> None:
+    """Exp, the scatter and the scaling by 1/N as one step: the unfused plan's bits (NaN, ±inf and -0.0 among
+    the log-probabilities, a NaN scale) and float64's values."""
+    from onnx.reference import ReferenceEvaluator
+
+    rows, cols = shape
+    m = mean_cross_entropy_grad(rows, cols, dtype, scale_first, reduction)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceCrossEntropyGrad" in ops(fused)
+    assert not {"Exp", "ScatterElements", "Mul", "InplaceScatterElements", "InplaceMul"} & set(ops(fused))
+    rng = np.random.default_rng(rows)
+    logp = (rng.standard_normal(shape) - 3).astype(dtype)
+    logp.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    f = {"logp": logp, "labels": rng.integers(0, cols, rows).astype(np.int64),
+         "minus": np.full((rows, 1), -1.0, dtype), "scale": np.array(1 / rows, dtype)}
+    for scale in (f["scale"], np.array(np.nan, dtype)):
+        f["scale"] = scale
+        want = plain.run(f)[0]
+        for _ in range(2):
+            got = fused.run(f)[0]
+            assert got.dtype == want.dtype == dtype and got.tobytes() == want.tobytes()
+    f["scale"] = np.array(1 / rows, dtype)
+    want = plain.run(f)[0]
+    ref = ReferenceEvaluator(m).run(None, f)[0]
+    np.testing.assert_allclose(want, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("labels", [[-1, 2], [0, 4]])
+def test_cross_entropy_gradient_with_labels_out_of_range_runs_the_scatter_steps(labels: list[int]) -> None:
+    """A negative index (wrapped by the scatter) or one past the row: the fused step's scatter and Mul steps,
+    with their results (or their error)."""
+    m = mean_cross_entropy_grad(2, 4, np.float32)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    f = {"logp": np.zeros((2, 4), np.float32), "labels": np.array(labels, np.int64),
+         "minus": np.full((2, 1), -1.0, np.float32), "scale": np.float32(0.5)}
+    if labels[1] == 4:
+        with pytest.raises(Exception, match="out of"):
+            fused.run(f)
+        return
+    got, want = fused.run(f)[0], plain.run(f)[0]
+    assert got.tobytes() == want.tobytes() and got[0, 3] == 0.0  # (exp(0) − 1) · 0.5 at the wrapped index

@@ -22,7 +22,7 @@ from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
 from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import BITS_INT
-from onnxtrain.engine.kernels.indexing import scatter_elements_into
+from onnxtrain.engine.kernels.indexing import in_range, row_starts, scatter_elements_into
 from onnxtrain.engine.registry import Attrs
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
@@ -38,7 +38,8 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     written = {k: data for k, st in enumerate(steps)
                if (data := _written_input(plan, steps, cons, prod, kept, k, st)) is not None}
     masks = {k: g for k, g in _relu_grad_masks(steps, cons, prod, kept).items() if k in written}
-    dropped = set(masks.values())
+    grads = _cross_entropy_grads(steps, prod, written)
+    dropped = set(masks.values()) | {m for members in grads.values() for m in members}
     out: list[Step] = []
     for k, st in enumerate(steps):
         if k in dropped:  # a ReLU gradient's Greater, computed by its fused Where
@@ -53,6 +54,13 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             run = _relu_grad_over(plan, greater, st)
             out.append(make_step(plan, "InplaceReluGrad", [greater, st], (*greater.inputs, *st.inputs[1:]),
                                  st.outputs, run))
+            continue
+        if k in grads:
+            e, sc = (steps[m] for m in grads[k])
+            pos = st.inputs.index(data)
+            ins = (e.inputs[0], sc.inputs[1], sc.inputs[2], st.inputs[1 - pos])
+            out.append(make_step(plan, "InplaceCrossEntropyGrad", [e, sc, st], ins, st.outputs,
+                                 _cross_entropy_grad_over(plan, e, sc, st, pos)))
             continue
         if op == "Mul":
             run = _scale_over(plan, st, st.inputs.index(data))
@@ -116,6 +124,27 @@ def _relu_grad_masks(steps: list[Step], cons: dict[int, list[int]], prod: dict[i
         if (greater.node.op_type == "Greater" and len(greater.inputs) == 2 and min(greater.inputs) >= 0
                 and len(greater.outputs) == 1 and greater.node.domain in DEFAULT_DOMAINS):
             found[k] = g
+    return found
+
+
+def _cross_entropy_grads(steps: list[Step], prod: dict[int, int], written: dict[int, int]
+                         ) -> dict[int, tuple[int, int]]:
+    """``Mul(ScatterElements(Exp(logp), idx, upd), c)`` (a cross-entropy gradient) where the scatter and
+    the Mul each write into their input: the Mul's index → the Exp's and the scatter's."""
+    found: dict[int, tuple[int, int]] = {}
+    for k, st in enumerate(steps):
+        d = written.get(k)
+        if st.node.op_type != "Mul" or d is None or st.inputs.count(d) != 1:
+            continue
+        s = prod[d]
+        p = written.get(s)
+        if p is None or steps[s].node.op_type != "ScatterElements" or min(steps[s].inputs) < 0:
+            continue
+        e = prod[p]
+        exp = steps[e]
+        if (exp.node.op_type == "Exp" and len(exp.inputs) == 1 and exp.inputs[0] >= 0
+                and len(exp.outputs) == 1 and exp.node.domain in DEFAULT_DOMAINS):
+            found[k] = (e, s)
     return found
 
 
@@ -194,6 +223,53 @@ def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, pos: int) -> Callable:
+    """``Mul(ScatterElements(Exp(logp), idx, upd), c)`` in one step over (logp, idx, upd, c): the Exp's
+    kernel, then, for one index per row of a 2-D float array along its last axis and a one-value ``c``, the
+    scatter and the scaling written into the Exp's array as :func:`scatter_elements_into` (its one-per-row
+    path) and :func:`_scale_over` compute them, without their general checks (10-20 µs of a training step
+    out of cache); otherwise the in-place scatter and Mul steps. ``pos``: the scattered array's place in
+    the Mul."""
+    axis = scatter.attrs.get("axis", 0)
+    reduction = scatter.attrs.get("reduction") or "none"
+    fast = axis in (1, -1) and reduction in ("add", "none")
+    add = reduction == "add"
+    scatter_run, scale_run = _scatter_over(plan, scatter), _scale_over(plan, mul, pos)
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        logp, idx, upd, c = inputs
+        p = plan._call(exp, [logp])[0]
+        if (
+            fast
+            and type(p) is np.ndarray
+            and p.ndim == 2
+            and p.dtype in _FLOATS
+            and p.size
+            and _own(p)
+            and type(idx) is np.ndarray
+            and idx.shape == (p.shape[0], 1)
+            and type(upd) is np.ndarray
+            and upd.shape == idx.shape
+            and upd.dtype == p.dtype
+            and type(c) is np.ndarray
+            and c.dtype == p.dtype
+            and c.size == 1
+            and c.ndim <= 2
+            and in_range(idx, p.shape[1])  # (else the general scatter wraps negative indices or fails)
+            and not np.may_share_memory(p, upd)
+            and not np.may_share_memory(p, c)
+        ):
+            flat = p.reshape(-1)
+            at = row_starts(*p.shape) + idx.reshape(-1)  # one index per row: distinct positions
+            flat[at] = np.add(flat[at], upd.reshape(-1)) if add else upd.reshape(-1)
+            # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
+            return (np.multiply(*((p, c) if pos == 0 else (c, p)), out=p),)
+        d = scatter_run([p, idx, upd], attrs)[0]
+        return scale_run((d, c) if pos == 0 else (c, d), attrs)
+
+    return run
 
 
 def _scale_over(plan: Plan, st: Step, pos: int) -> Callable:
