@@ -8,12 +8,34 @@ step turns values into integers or truth values: Hugging Face DeBERTa-v2's relat
 a bucket and the model's logits with it.
 
 At plan build, each step of :data:`SOURCES` whose result reaches a :data:`ROUNDING` step, a Cast to a
-non-float type or a :data:`COMPARING` step through :data:`CONTINUOUS` steps gets a kernel that computes
-float32 inputs in float64 and rounds once (the correctly rounded float32 but for double-rounding ties, about
-one value in 2**29). numpy's loops keep the correctly rounded value's sign and zeros, so a ``Sign`` or a
-comparison with a constant 0 of a value that passed only :data:`SIGN_KEEPING` steps since its source (a
-ReLU, Abs or LeakyRelu gradient's mask of a Tanh's output) decides nothing. The float64 route costs 3x
-(Exp) to 30x (Tanh) the float32 ufunc; the steps it marks compute indices (position buckets, counts).
+non-float type, a :data:`COMPARING` step or a :data:`SELECTING` step through :data:`CONTINUOUS` steps gets a
+kernel that computes float32 inputs in float64 and rounds once (the correctly rounded float32 but for
+double-rounding ties, about one value in 2**29). numpy's loops keep the correctly rounded value's sign and
+zeros, so a ``Sign`` or a comparison with a constant 0 of a value that passed only :data:`SIGN_KEEPING` steps
+since a :data:`UFUNC_SOURCES` step (a ReLU, Abs or LeakyRelu gradient's mask of a Tanh's output) decides
+nothing. The float64 route costs 3x (Exp) to 30x (Tanh) the float32 ufunc; the steps it marks compute
+indices (position buckets, counts).
+
+:data:`FORMULA_SOURCES` are the engine's float32 formulas over such functions (share of 1 M float32 inputs
+off the float64 value rounded once, here; float64 route's cost on 1 M values): Sigmoid, 1 / (1 + exp(-x))
+(44 %, up to 3 ulps; 1.1x); Erf, the engine's table (23 %, 1 ulp; 12x, its float64 erf within 3 float64
+ulps of libm's, the same float32 roundings on 2.5 M inputs); Softplus, exp and log1p (23 %; 3.7x); Elu,
+Selu and Celu, expm1 (19-32 %; 4-6x); Mish, softplus and tanh (45 %; 3.4x); Gelu, erf or tanh (55 %;
+digits lost to cancellation from -4 down, -0.0 from -6 down where the value is a normal float; 6x, 19x
+for the erf form, whose tail takes libm's erfc: :mod:`~onnxtrain.engine.exact_kernels`). Their float32
+zeros are not the correctly rounded value's (Sigmoid is 0 from -88.7 down), so any comparison they reach
+decides. HardSigmoid,
+HardSwish, Softsign, LeakyRelu and Pow's cubes are float32 arithmetic, each operation rounded as IEEE
+asks (HardSwish is off the float64 value on 27 % of inputs, as ``x * x * x`` is off x**3): their results
+are the same on any host, so they are neither sources nor, as they are not listed, passed through.
+
+:data:`SELECTING` steps pick indices by comparing values with each other: one ulp turns two neighbours
+into equals (ArgMax takes the first) or orders equals, as for 132 of 6,000 pairs of neighbours' numpy
+exps here. A Softmax stops the walk as a ReduceSum does (its sum's last bit depends on the order of
+addition, whatever its exps'): an ``ArgMax(Softmax(x))`` marks nothing and keeps its cost. The Softmax
+itself is not a source: 67 % of its float32 values are off the float64 Softmax rounded once (a (1024,
+1000) input), but the float64 route costs 3.3x (1.3 -> 4.3 ms there), and the argmax of those rows was
+the same in both.
 """
 
 from __future__ import annotations
@@ -24,11 +46,17 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.engine.exact_kernels import FLOAT64_KERNELS
 from onnxtrain.engine.registry import Attrs, Kernel
 
 # numpy-ufunc ops whose float32 SIMD results are not correctly rounded (but have its sign and its zeros)
-SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
-                     "Acos", "Acosh", "Atanh"})
+UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
+                           "Acos", "Acosh", "Atanh"})
+# ops whose float32 kernels are formulas over an inexact exp, expm1, log1p, tanh or the engine's table erf,
+# rounded after each step; their zeros are not the correctly rounded value's (Sigmoid's exp overflows to 0
+# from -88.7 down, where the value is a positive subnormal down to -103.97)
+FORMULA_SOURCES = frozenset({"Sigmoid", "Erf", "Softplus", "Elu", "Selu", "Celu", "Mish", "Gelu"})
+SOURCES = UFUNC_SOURCES | FORMULA_SOURCES
 # steps that keep each value's sign and zeros (move, pick, clamp at 0 or negate values): the walk goes on, and
 # a value that only passed these since its source still has the correctly rounded value's sign
 SIGN_KEEPING = frozenset({
@@ -43,7 +71,10 @@ ROUNDING = frozenset({"Ceil", "Floor", "Round"})
 # steps that map a real to a truth value or a sign: a one-ulp change moves their result, unless they test the
 # sign of a value that only passed SIGN_KEEPING steps since its source (a ReLU gradient's ``x > 0``)
 COMPARING = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Sign"})
-DISCRETE = ROUNDING | COMPARING
+# steps that pick indices by comparing their input's values with each other (TopK's values pass on, but its
+# indices are made all the same; Hardmax is a one-hot ArgMax)
+SELECTING = frozenset({"ArgMax", "ArgMin", "TopK", "Hardmax"})
+DISCRETE = ROUNDING | COMPARING | SELECTING
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16})
 # the float types a float32 cast to keeps its value (float16 and bfloat16 keep signs, not zeros)
@@ -82,7 +113,7 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
     op = node.op_type
     if node.domain not in ("", "ai.onnx"):
         return False
-    if op in ROUNDING:
+    if op in ROUNDING or op in SELECTING:
         return True
     if op in COMPARING:
         tests_sign = op == "Sign" or any(s in zeros for s in ins if s != value)
@@ -115,14 +146,18 @@ def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset()) ->
         pairs = [(s, r) for s in steps[k][4] for r in readers.get(s, ())]
         general[k] = any(_reach(steps[r], s, False, zeros, general, signed, r) for s, r in pairs)
         signed[k] = general[k] and any(_reach(steps[r], s, True, zeros, general, signed, r) for s, r in pairs)
+    # a source decides when its outputs do with their correctly rounded signs (a formula's float32 zeros
+    # are not those: any reach counts)
+    deciding = [k for k, (node, *_rest) in enumerate(steps) if node.domain in ("", "ai.onnx") and (
+        signed[k] if node.op_type in UFUNC_SOURCES else node.op_type in FORMULA_SOURCES and general[k])]
+    if not deciding:
+        return set()
     sources = [k for k, (node, *_rest) in enumerate(steps)
                if node.op_type in SOURCES and node.domain in ("", "ai.onnx")]
-    if not any(signed[k] for k in sources):
-        return set()
     # a step equal to a marked one (a recomputed copy of a forward step, whose result the backward compares)
     # is marked too: the copies must give the same bits
     same = _equal_steps(steps)
-    marked = {same[k] for k in sources if signed[k]}
+    marked = {same[k] for k in deciding}
     return {k for k in sources if same[k] in marked}
 
 
@@ -143,35 +178,37 @@ def _equal_steps(steps: Sequence[RawStep]) -> list[int]:
     return out
 
 
-# kernel → its rounded_once wrapper: one per kernel, so that equal marked steps stay equal (the plan's common
-# subexpression elimination compares kernels)
-_WRAPPERS: dict[Kernel, Kernel] = {}
+# (kernel, float64 kernel) → its rounded_once wrapper: one per kernel, so that equal marked steps stay equal
+# (the plan's common subexpression elimination compares kernels)
+_WRAPPERS: dict[tuple[Kernel, Kernel | None], Kernel] = {}
 
 
-def rounded_once(fn: Kernel) -> Kernel:
+def rounded_once(fn: Kernel, wide: Kernel | None = None) -> Kernel:
     """``fn`` computing a float32 input (an array, or the numpy scalar a one-element Gather gives) in
-    float64, its result rounded to float32 once; the same wrapper for the same ``fn``."""
-    made = _WRAPPERS.get(fn)
+    float64 (by ``wide`` when given, else by ``fn`` itself), its result rounded to float32 once; the same
+    wrapper for the same kernels."""
+    made = _WRAPPERS.get((fn, wide))
     if made is not None:
         return made
+    in_float64 = fn if wide is None else wide
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x = inputs[0]
         if type(x) in (np.ndarray, np.float32) and x.dtype == np.float32:
-            (r,) = fn([x.astype(np.float64)], attrs)
+            (r,) = in_float64([x.astype(np.float64)], attrs)
             return (np.asarray(r).astype(np.float32),)
         return fn(inputs, attrs)
 
     run.rounds_exactly = True  # type: ignore[attr-defined]  # read by the elementwise fusion: not a ufunc
-    return _WRAPPERS.setdefault(fn, run)
+    return _WRAPPERS.setdefault((fn, wide), run)
 
 
 def round_deciding_steps(steps: list[RawStep], constants: dict[int, Any]) -> list[RawStep]:
     """``steps`` with the kernel of each :func:`deciding_sources` step wrapped by :func:`rounded_once`;
     ``constants``: the initializers' values by slot."""
     marked = deciding_sources(steps, zero_slots(steps, constants))
-    return [(node, rounded_once(fn), attrs, ins, outs) if k in marked else (node, fn, attrs, ins, outs)
-            for k, (node, fn, attrs, ins, outs) in enumerate(steps)]
+    return [(node, rounded_once(fn, FLOAT64_KERNELS.get(node.op_type)), attrs, ins, outs) if k in marked
+            else (node, fn, attrs, ins, outs) for k, (node, fn, attrs, ins, outs) in enumerate(steps)]
 
 
 def rounds_exactly(fn: Callable[..., Any]) -> bool:

@@ -341,3 +341,167 @@ def test_a_cast_to_a_narrower_float_before_a_sign_test_marks_the_source(to, mark
                             for op, ins, outs, *rest in chain]
     raw = _raw(nodes)
     assert deciding_sources(raw[1:], zero_slots(raw, {})) == marked
+
+
+_SELU_A, _SELU_G = float(np.float32(1.6732632423543772)), float(np.float32(1.0507009873554805))
+_GELU_C, _GELU_K = math.sqrt(float(np.float32(2 / math.pi))), float(np.float32(0.044715))  # the ONNX body's
+
+
+def _sigmoid(x: float) -> float:
+    e = math.exp(-abs(x))
+    return 1 / (1 + e) if x >= 0 else e / (1 + e)
+
+
+def _softplus(x: float) -> float:
+    return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
+
+
+# the formula ops' definitions in double precision (each within a few double ulps: rounded to float32 they
+# are the correctly rounded values but for ties), with the tails written without cancellation
+FORMULAS = {
+    ("Sigmoid", ()): _sigmoid,
+    ("Erf", ()): math.erf,
+    ("Softplus", ()): _softplus,
+    ("Elu", ()): lambda x: math.expm1(x) if x < 0 else x,
+    ("Elu", (("alpha", 0.3),)): lambda x: float(np.float32(0.3)) * math.expm1(x) if x < 0 else x,
+    ("Selu", ()): lambda x: _SELU_G * _SELU_A * math.expm1(x) if x <= 0 else _SELU_G * x,
+    ("Celu", (("alpha", 2.0),)): lambda x: 2.0 * math.expm1(x / 2.0) if x < 0 else x,
+    ("Mish", ()): lambda x: x * math.tanh(_softplus(x)),
+    ("Gelu", ()): lambda x: 0.5 * x * math.erfc(-x / math.sqrt(2)),
+    ("Gelu", (("approximate", "tanh"),)): lambda x: x * _sigmoid(2 * _GELU_C * (x + _GELU_K * x ** 3)),
+}
+# inputs over the op's range, its negative tail (where float32 formulas lose digits to cancellation or to
+# an overflowing exp: Sigmoid is 0 below -88.7, Gelu 0 below -5.5), and float32 neighbours of a few values
+_FORMULA_X = {"Sigmoid": (-104, 20), "Erf": (-4, 4), "Softplus": (-104, 20), "Elu": (-18, 3),
+              "Selu": (-18, 3), "Celu": (-30, 3), "Mish": (-30, 12), "Gelu": (-13, 6)}
+
+
+def _formula_inputs(op: str) -> np.ndarray:
+    lo, hi = _FORMULA_X[op]
+    rng = np.random.default_rng(8)
+    steps = np.arange(-50, 50, dtype=np.float32) * np.float32(2e-7)
+    near = np.float32([-3.5, -1.25, 0.75, 2.0])[:, None] + steps
+    return np.concatenate([rng.uniform(lo, hi, 4000), rng.uniform(lo, 0, 1000), near.reshape(-1),
+                           [0.0, -0.0]]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("op, attrs", sorted(FORMULAS, key=str))
+def test_each_formula_source_is_rounded_once_before_a_floor(op, attrs, fuse):
+    """Sigmoid, Erf, Softplus, the Elu family, Mish and Gelu compute exp, expm1, log1p, tanh or erf in
+    float32 (one ulp off or more, several roundings after it): before a Floor of 1000·y, y is the
+    correctly rounded value of the op's definition."""
+    x = _formula_inputs(op)
+    thousand = helper.make_tensor("k", TensorProto.FLOAT, [], [1000.0])
+    nodes = [helper.make_node(op, ["x"], ["y"], **dict(attrs)), helper.make_node("Mul", ["y", "k"], ["m"]),
+             helper.make_node("Floor", ["m"], ["f"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n"]) for n in "yf"],
+                              initializer=[thousand])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    onnx.checker.check_model(model, full_check=True)
+    with np.errstate(under="ignore"):
+        want = np.array([FORMULAS[op, attrs](float(v)) for v in x]).astype(np.float32)
+    y, f = Plan(model, fuse=fuse).run({"x": x}, ["y", "f"])
+    np.testing.assert_array_equal(y.view(np.int32), want.view(np.int32))  # bit for bit, -0.0 included
+    np.testing.assert_array_equal(f, np.floor(want * np.float32(1000)))
+
+
+def test_a_formula_source_is_not_rounded_when_nothing_decides():
+    """An Erf and a Sigmoid whose results meet only continuous steps keep the engine's float32 kernels."""
+    from onnxtrain.engine.kernels.activation import sigmoid
+    from onnxtrain.engine.kernels.elementwise import erf
+
+    x = np.random.default_rng(9).uniform(-4, 4, 3000).astype(np.float32)
+    nodes = [helper.make_node("Erf", ["x"], ["e"]), helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("Add", ["e", "s"], ["z"])]
+    (z,) = Plan(_model(nodes, [("z", TensorProto.FLOAT)]), fuse=False).run({"x": x})
+    np.testing.assert_array_equal(z, erf(x) + sigmoid(x))
+
+
+@pytest.mark.parametrize("chain, marked", [
+    ([("Sigmoid", ["x"], ["a"]), ("Greater", ["a", "b"], ["c"])], {0}),
+    ([("Erf", ["x"], ["a"]), ("Round", ["a"], ["c"])], {0}),
+    ([("Exp", ["x"], ["a"]), ("Softplus", ["a"], ["s"]), ("Floor", ["s"], ["c"])], {0, 1}),
+    ([("Elu", ["x"], ["a"]), ("Add", ["a", "b"], ["s"]), ("Cast", ["s"], ["c"], {"to": TensorProto.INT64})],
+     {0}),
+    ([("Mish", ["x"], ["a"]), ("Gelu", ["a"], ["g"]), ("Less", ["g", "b"], ["c"])], {0, 1}),
+    ([("Selu", ["x"], ["a"]), ("Celu", ["a"], ["g"]), ("Sign", ["g"], ["c"])], {0, 1}),
+    # no transcendental in their float32 kernels: not sources, and the walk stops at them
+    ([("HardSwish", ["x"], ["a"]), ("Floor", ["a"], ["c"])], set()),
+    ([("Exp", ["x"], ["a"]), ("Softsign", ["a"], ["s"]), ("Floor", ["s"], ["c"])], set()),
+    ([("Sigmoid", ["x"], ["a"]), ("MatMul", ["a", "w"], ["m"]), ("Floor", ["m"], ["c"])], set()),
+])
+def test_which_formula_steps_are_marked(chain, marked):
+    nodes = [helper.make_node(op, ins, outs, **(rest[0] if rest else {})) for op, ins, outs, *rest in chain]
+    assert deciding_sources(_raw(nodes)) == marked
+
+
+@pytest.mark.parametrize("chain, marked", [
+    # numpy's ufuncs keep the correctly rounded sign and zeros; these float32 formulas do not (Sigmoid is 0
+    # from -88.7 down, where its value is a positive subnormal down to -103.97): a test of their sign decides
+    ([("Sigmoid", ["x"], ["a"]), ("Greater", ["a", "z"], ["m"])], {0}),
+    ([("Softplus", ["x"], ["a"]), ("Relu", ["a"], ["r"]), ("Sign", ["r"], ["m"])], {0}),
+    ([("Tanh", ["x"], ["a"]), ("Relu", ["a"], ["r"]), ("Greater", ["r", "z"], ["m"])], set()),
+])
+def test_a_formula_sources_sign_test_marks_it(chain, marked):
+    nodes = [_zero("z")] + [helper.make_node(op, ins, outs) for op, ins, outs in chain]
+    raw = _raw(nodes)
+    assert deciding_sources(raw[1:], zero_slots(raw, {})) == marked
+
+
+def test_sigmoids_float32_kernel_loses_the_subnormal_tail():
+    """The reason Sigmoid's sign test decides: its float32 kernel gives 0 where the value is positive."""
+    from onnxtrain.engine.kernels.activation import sigmoid
+
+    x = np.float32([-90.0, -100.0])
+    assert list(sigmoid(x)) == [0.0, 0.0]
+    assert all(np.float32(_sigmoid(float(v))) > 0 for v in x)
+
+
+@pytest.mark.parametrize("chain, marked", [
+    ([("Exp", ["x"], ["a"]), ("ArgMax", ["a"], ["i"])], {0}),
+    ([("Tanh", ["x"], ["a"]), ("Reshape", ["a", "s"], ["r"]), ("ArgMin", ["r"], ["i"])], {0}),
+    ([("Log", ["x"], ["a"]), ("Mul", ["a", "b"], ["m"]), ("TopK", ["m", "k"], ["v", "i"])], {0}),
+    ([("Sigmoid", ["x"], ["a"]), ("Hardmax", ["a"], ["h"])], {0}),
+    # an ArgMax of a Softmax: the walk stops at the Softmax (a sum over the axis, as ReduceSum) and marks
+    # nothing, as before
+    ([("Exp", ["x"], ["a"]), ("Softmax", ["a"], ["p"]), ("ArgMax", ["p"], ["i"])], set()),
+    ([("Exp", ["x"], ["a"]), ("MatMul", ["a", "w"], ["m"]), ("ArgMax", ["m"], ["i"])], set()),
+])
+def test_an_index_picked_among_a_sources_values_marks_it(chain, marked):
+    """ArgMax, ArgMin, TopK and Hardmax compare values with each other: one ulp flips the index picked
+    between two values that are equal or neighbours."""
+    nodes = [helper.make_node(op, ins, outs) for op, ins, outs in chain]
+    assert deciding_sources(_raw(nodes)) == marked
+
+
+def _neighbour_pairs() -> np.ndarray:
+    """Rows of two float32 neighbours, in both orders: their exps are equal or neighbours."""
+    x = np.random.default_rng(10).uniform(-10, 10, 3000).astype(np.float32)
+    up = np.nextafter(x, np.float32(np.inf))
+    return np.concatenate([np.stack([x, up], 1), np.stack([up, x], 1)])
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_argmax_argmin_and_topk_of_an_exp_pick_as_the_correctly_rounded_values(fuse):
+    """Between two neighbours' exps, ArgMax, ArgMin and TopK pick as they do on the correctly rounded
+    values (the first of equal ones); numpy's float32 exp orders some pairs otherwise on this host."""
+    x = _neighbour_pairs()
+    k = helper.make_tensor("k", TensorProto.INT64, [1], [1])
+    nodes = [helper.make_node("Exp", ["x"], ["e"]),
+             helper.make_node("ArgMax", ["e"], ["hi"], axis=1, keepdims=0),
+             helper.make_node("ArgMin", ["e"], ["lo"], axis=1, keepdims=0),
+             helper.make_node("TopK", ["e", "k"], ["v", "top"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2])],
+                              [helper.make_tensor_value_info("hi", TensorProto.INT64, ["n"]),
+                               helper.make_tensor_value_info("lo", TensorProto.INT64, ["n"]),
+                               helper.make_tensor_value_info("top", TensorProto.INT64, ["n", 1])],
+                              initializer=[k])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    hi, lo, top = Plan(model, fuse=fuse).run({"x": x})
+    want = np.array([[math.exp(float(v)) for v in row] for row in x]).astype(np.float32)
+    np.testing.assert_array_equal(hi, np.argmax(want, 1))
+    np.testing.assert_array_equal(lo, np.argmin(want, 1))
+    np.testing.assert_array_equal(top[:, 0], np.argmax(want, 1))
