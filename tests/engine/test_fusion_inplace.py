@@ -332,10 +332,11 @@ def test_relu_gradient_of_a_broadcast_activation_runs_the_original_steps() -> No
 
 
 def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = False,
-                            reduction: str = "add") -> onnx.ModelProto:
+                            reduction: str = "add", labels=np.int64) -> onnx.ModelProto:
     """dz = ScatterElements(Exp(logp), Unsqueeze(labels), −1) · (1 / rows): the gradient of a mean
     SoftmaxCrossEntropyLoss as the training graph writes it (a one-value scale)."""
-    et, i64 = helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), onnx.TensorProto.INT64
+    et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    i64 = helper.np_dtype_to_tensor_dtype(np.dtype(labels))
     nodes = [
         helper.make_node("Exp", ["logp"], ["p"]),
         helper.make_node("Unsqueeze", ["labels", "one"], ["idx"]),
@@ -357,21 +358,22 @@ def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = Fal
 @pytest.mark.parametrize("scale_first", [False, True])
 @pytest.mark.parametrize("reduction", ["add", "none"])
 @pytest.mark.parametrize("shape", [(2, 4), (64, 10), (300, 7)])
+@pytest.mark.parametrize("index", [np.int64, np.int32])
 def test_cross_entropy_gradient_is_one_step_bit_identically(dtype, scale_first: bool, reduction: str,
-                                                            shape: tuple[int, int]) -> None:
+                                                            shape: tuple[int, int], index) -> None:
     """Exp, the scatter and the scaling by 1/N as one step: the unfused plan's bits (NaN, ±inf and -0.0 among
     the log-probabilities, a NaN scale) and float64's values."""
     from onnx.reference import ReferenceEvaluator
 
     rows, cols = shape
-    m = mean_cross_entropy_grad(rows, cols, dtype, scale_first, reduction)
+    m = mean_cross_entropy_grad(rows, cols, dtype, scale_first, reduction, index)
     fused, plain = Plan(m), Plan(m, fuse=False)
     assert "InplaceCrossEntropyGrad" in ops(fused)
     assert not {"Exp", "ScatterElements", "Mul", "InplaceScatterElements", "InplaceMul"} & set(ops(fused))
     rng = np.random.default_rng(rows)
     logp = (rng.standard_normal(shape) - 3).astype(dtype)
     logp.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
-    f = {"logp": logp, "labels": rng.integers(0, cols, rows).astype(np.int64),
+    f = {"logp": logp, "labels": rng.integers(0, cols, rows).astype(index),
          "minus": np.full((rows, 1), -1.0, dtype), "scale": np.array(1 / rows, dtype)}
     for scale in (f["scale"], np.array(np.nan, dtype)):
         f["scale"] = scale
@@ -386,12 +388,14 @@ def test_cross_entropy_gradient_is_one_step_bit_identically(dtype, scale_first: 
 
 
 @pytest.mark.parametrize("labels", [[-1, 2], [0, 4]])
-def test_cross_entropy_gradient_with_labels_out_of_range_runs_the_scatter_steps(labels: list[int]) -> None:
+@pytest.mark.parametrize("index", [np.int64, np.int32])
+def test_cross_entropy_gradient_with_labels_out_of_range_runs_the_scatter_steps(labels: list[int],
+                                                                                index) -> None:
     """A negative index (wrapped by the scatter) or one past the row: the fused step's scatter and Mul steps,
-    with their results (or their error)."""
-    m = mean_cross_entropy_grad(2, 4, np.float32)
+    with their results (or their error); int32 and int64 indices."""
+    m = mean_cross_entropy_grad(2, 4, np.float32, labels=index)
     fused, plain = Plan(m), Plan(m, fuse=False)
-    f = {"logp": np.zeros((2, 4), np.float32), "labels": np.array(labels, np.int64),
+    f = {"logp": np.zeros((2, 4), np.float32), "labels": np.array(labels, index),
          "minus": np.full((2, 1), -1.0, np.float32), "scale": np.float32(0.5)}
     if labels[1] == 4:
         with pytest.raises(Exception, match="out of"):

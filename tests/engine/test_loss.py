@@ -282,3 +282,24 @@ def test_softmax_cross_entropy_2d_small_inputs_have_the_bits_of_the_row_split_pa
         want = {"none": want, "sum": want.sum(), "mean": want.mean()}[reduction]
         tol = 1e-5 if dtype == np.float32 else 1e-12
         np.testing.assert_allclose(small[0], want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bad", [None, -1, 4])
+def test_softmax_cross_entropy_2d_int32_and_int64_targets_agree(bad: int | None) -> None:
+    """int64 targets are checked and offset by ravel_multi_index, others by in_range: the same losses for the
+    same classes, and the same error for a class outside [0, C)."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(0, 2, (5, 4)).astype(np.float32)
+    t = rng.integers(0, 4, 5)
+    if bad is not None:
+        t[2] = bad
+    got = []
+    for dtype in (np.int64, np.int32):
+        model = _loss_model("SoftmaxCrossEntropyLoss", [x, t.astype(dtype)], reduction="none")
+        if bad is not None:
+            with pytest.raises(EngineError, match="outside"):
+                compile_model(model).run({"x0": x, "x1": t.astype(dtype)})
+            continue
+        got.append(compile_model(model).run({"x0": x, "x1": t.astype(dtype)})[0])
+    if bad is None:
+        assert got[0].tobytes() == got[1].tobytes() == _general_sce(x, t, "none")[0].tobytes()

@@ -241,6 +241,7 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         logp, idx, upd, c = inputs
         p = plan._call(exp, [logp])[0]
+        at = None
         if (
             fast
             and type(p) is np.ndarray
@@ -257,12 +258,12 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             and c.dtype == p.dtype
             and c.size == 1
             and c.ndim <= 2
-            and in_range(idx, p.shape[1])  # (else the general scatter wraps negative indices or fails)
             and not np.may_share_memory(p, upd)
             and not np.may_share_memory(p, c)
         ):
+            at = _row_offsets(idx.reshape(-1), p.shape)
+        if at is not None:  # one index per row: distinct positions
             flat = p.reshape(-1)
-            at = row_starts(*p.shape) + idx.reshape(-1)  # one index per row: distinct positions
             flat[at] = np.add(flat[at], upd.reshape(-1)) if add else upd.reshape(-1)
             # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
             return (np.multiply(*((p, c) if pos == 0 else (c, p)), out=p),)
@@ -270,6 +271,21 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
         return scale_run((d, c) if pos == 0 else (c, d), attrs)
 
     return run
+
+
+def _row_offsets(col: np.ndarray, shape: tuple[int, int]) -> np.ndarray | None:
+    """The flat offsets of ``col[i]`` in row i of a C-contiguous array of ``shape``, or None when an index is
+    outside [0, shape[1]) (the general scatter wraps a negative one, or fails). int64 indices by one call
+    that checks and computes them."""
+    if col.dtype == _I64:
+        try:
+            return np.ravel_multi_index((row_starts(shape[0], 1), col), shape)
+        except ValueError:
+            return None
+    return row_starts(*shape) + col if in_range(col, shape[1]) else None
+
+
+_I64 = np.dtype(np.int64)
 
 
 def _scale_over(plan: Plan, st: Step, pos: int) -> Callable:

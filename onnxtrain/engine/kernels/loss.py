@@ -89,13 +89,31 @@ def negative_log_likelihood_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
 _LEAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _log_softmax_rows(x: np.ndarray, logp: np.ndarray, starts: np.ndarray) -> None:
-    """The log-softmax of each row of the C-contiguous 2-D ``x`` into ``logp``; ``starts``: the rows' flat
-    offsets."""
+def _log_softmax_rows(x: np.ndarray, starts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The log-softmax of each row of the C-contiguous 2-D ``x`` (into ``out`` when given); ``starts``: the
+    rows' flat offsets."""
     # row maxima as one reduceat over the row starts (a maximum is exact in any order)
-    np.subtract(x, np.maximum.reduceat(x.reshape(-1), starts)[:, None], out=logp)
+    logp = np.subtract(x, np.maximum.reduceat(x.reshape(-1), starts)[:, None], out=out)
     s = row_sum(np.exp(logp))
     logp -= np.log(s, out=s)
+    return logp
+
+
+def _picked_offsets(target: np.ndarray, n: int, c: int, starts: np.ndarray) -> np.ndarray:
+    """The flat offsets of each row's target class in a C-contiguous (n, c) array; ValueError for a target
+    outside [0, c). int64 targets by one call that checks and computes them (half the time of the check,
+    then the sum)."""
+    if target.dtype == _I64:
+        try:
+            return np.ravel_multi_index((row_starts(n, 1), target), (n, c))
+        except ValueError:
+            pass
+    elif in_range(target, c):
+        return starts + target
+    raise ValueError(f"target holds class indices outside [0, {c}) that are not ignore_index")
+
+
+_I64 = np.dtype(np.int64)
 
 
 def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool = False
@@ -107,24 +125,23 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
     5-20 µs: 153 → 76 µs in the MLP's step (batch 256). ``weighed``: the node names an ignored class
     (none of ``target`` is it), and the general path's mean divides by the sum of the (unit) weights."""
     n, c = x.shape
-    logp = np.empty_like(x)
     starts = row_starts(n, c)
     if x.size < MIN_VALUES:  # one range on this thread, numpy's own buffer: the rows below, inlined
-        _log_softmax_rows(x, logp, starts)
+        logp = _log_softmax_rows(x, starts)
     else:
+        logp = np.empty_like(x)
+
         def rows(lo: int, hi: int) -> None:
             # (the per-row subtractions walk long rows in place, not through numpy's buffer: buffering.py)
-            call_with_buffer(run_size(c, (hi - lo) * c), _log_softmax_rows, x[lo:hi], logp[lo:hi],
-                             starts[:hi - lo])
+            call_with_buffer(run_size(c, (hi - lo) * c), _log_softmax_rows, x[lo:hi], starts[:hi - lo],
+                             logp[lo:hi])
 
         # split by rows over the run's threads from about 786 K scores (each row computed as in one piece:
         # the same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678,
         # (1024, 1000) 1248 / 857, the bench GPT decoder's (1,024 rows of a 1,000-word head; 1.56 ms of its
         # step)
         for_rows(n, x.size * 2 // 3, rows)
-    if not in_range(target, c):
-        raise ValueError(f"target holds class indices outside [0, {c}) that are not ignore_index")
-    loss = logp.reshape(-1).take(starts + target)
+    loss = logp.reshape(-1).take(_picked_offsets(target, n, c, starts))
     np.negative(loss, out=loss)
     if reduction == "none":
         return loss, logp
