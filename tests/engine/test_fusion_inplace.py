@@ -403,3 +403,65 @@ def test_cross_entropy_gradient_with_labels_out_of_range_runs_the_scatter_steps(
         return
     got, want = fused.run(f)[0], plain.run(f)[0]
     assert got.tobytes() == want.tobytes() and got[0, 3] == 0.0  # (exp(0) − 1) · 0.5 at the wrapped index
+
+
+def training_cross_entropy_grad(shape_output: bool = False) -> onnx.ModelProto:
+    """SoftmaxCrossEntropyLoss (mean) and its gradient with the shape steps the gradient builder writes: the
+    seed ConstantOfShape(Shape(loss)) over Cast(Size(labels)), and −1 expanded to Shape(Unsqueeze(labels))."""
+    f, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    nodes = [
+        helper.make_node("Constant", [], ["minus"],
+                         value=numpy_helper.from_array(np.array(-1.0, np.float32))),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["x", "labels"], ["loss", "logp"], reduction="mean"),
+        helper.make_node("Shape", ["loss"], ["loss_shape"]),
+        helper.make_node("ConstantOfShape", ["loss_shape"], ["seed"],
+                         value=numpy_helper.from_array(np.ones(1, np.float32))),
+        helper.make_node("Exp", ["logp"], ["p"]),
+        helper.make_node("Size", ["labels"], ["n"]),
+        helper.make_node("Cast", ["n"], ["nf"], to=f),
+        helper.make_node("Div", ["seed", "nf"], ["scale"]),
+        helper.make_node("Unsqueeze", ["labels", "one"], ["idx"]),
+        helper.make_node("Shape", ["idx"], ["idx_shape"]),
+        helper.make_node("Expand", ["minus", "idx_shape"], ["upd"]),
+        helper.make_node("ScatterElements", ["p", "idx", "upd"], ["d"], axis=1, reduction="add"),
+        helper.make_node("Mul", ["d", "scale"], ["dx"]),
+    ]
+    outputs = [helper.make_tensor_value_info("loss", f, []),
+               helper.make_tensor_value_info("dx", f, ["n", 10])]
+    if shape_output:  # a shape step's result is read outside the gradient too: the shape steps stay
+        outputs.append(helper.make_tensor_value_info("idx_shape", i64, [2]))
+    graph = helper.make_graph(
+        nodes, "sce_grad",
+        [helper.make_tensor_value_info("x", f, ["n", 10]),
+         helper.make_tensor_value_info("labels", i64, ["n"])],
+        outputs,
+        [numpy_helper.from_array(np.array([1], np.int64), "one")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.mark.parametrize("shape_output", [False, True])
+def test_cross_entropy_gradient_takes_in_its_shape_steps(shape_output: bool) -> None:
+    """The fused gradient computes the scale and the updates from its shape steps itself, kept per batch
+    size: the unfused plan's bits over batches of different sizes, in any order; where the updates' shape is
+    also a graph output, the steps that make the updates stay (the scale's go)."""
+    m = training_cross_entropy_grad(shape_output)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    left = ops(fused)
+    assert "InplaceCrossEntropyGrad" in left
+    shape_ops = {"Shape", "ConstantOfShape", "Size", "Cast", "Div", "Expand"}
+    assert (shape_ops & set(left)) == ({"Shape", "Expand"} if shape_output else set())
+    assert left.count("Shape") == shape_output
+    rng = np.random.default_rng(11)
+    for n in (3, 64, 3, 1, 64, 7, 3):
+        f = {"x": rng.normal(0, 3, (n, 10)).astype(np.float32), "labels": rng.integers(0, 10, n)}
+        got, want = fused.run(f), plain.run(f)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.tobytes() == b.tobytes()
+        # float64: (softmax − one-hot) / n
+        x64 = f["x"].astype(np.float64)
+        sm = np.exp(x64 - x64.max(1, keepdims=True))
+        sm /= sm.sum(1, keepdims=True)
+        sm[np.arange(n), f["labels"]] -= 1
+        np.testing.assert_allclose(got[1], sm / n, rtol=1e-5, atol=1e-6)

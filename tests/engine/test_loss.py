@@ -251,8 +251,10 @@ def test_softmax_cross_entropy_2d_small_inputs_have_the_bits_of_the_row_split_pa
     dtype: type, reduction: str, shape: tuple[int, int], special: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Scores below MIN_VALUES take the inlined rows path; the same bits as the path that splits the rows
-    over threads (forced here with MIN_VALUES = 0), the mean as np.mean computes it, and float64's values."""
+    over two threads (forced here), the mean as np.mean computes it, and float64's values."""
+    from onnxtrain.engine import parallel
     from onnxtrain.engine.kernels import loss as loss_module
+    from onnxtrain.engine.plan import Plan
 
     rng = np.random.default_rng(shape[0])
     x = rng.normal(0, 3, shape).astype(dtype)
@@ -266,9 +268,14 @@ def test_softmax_cross_entropy_2d_small_inputs_have_the_bits_of_the_row_split_pa
     model.graph.node[0].output.append("logp")
     model.graph.output.append(helper.make_tensor_value_info("logp", helper.np_dtype_to_tensor_dtype(x.dtype),
                                                             None))
-    small = compile_model(model).run({"x0": x, "x1": t})
+    small = Plan(model, threads=2).run({"x0": x, "x1": t})
     monkeypatch.setattr(loss_module, "MIN_VALUES", 0)
-    split = compile_model(model).run({"x0": x, "x1": t})
+    monkeypatch.setattr(parallel, "MIN_ROWS_WORK", 1)
+    calls: list[int] = []
+    real = parallel.parallel_for
+    monkeypatch.setattr(parallel, "parallel_for", lambda n, fn: (calls.append(n), real(n, fn)))
+    split = Plan(model, threads=2).run({"x0": x, "x1": t})
+    assert calls == [2]  # the rows in two parts
     for a, b in zip(small, split):
         assert a.dtype == b.dtype == dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     per = -_general_sce(x, t, "none")[0]

@@ -20,10 +20,11 @@ import numpy as np
 
 from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
+from onnxtrain.engine.fusion.shapes import MAX_ENTRIES, ShapeOf, is_memoized
 from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import BITS_INT
 from onnxtrain.engine.kernels.indexing import in_range, row_starts, scatter_elements_into
-from onnxtrain.engine.registry import Attrs
+from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
@@ -37,9 +38,16 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     written = {k: data for k, st in enumerate(steps)
                if (data := _written_input(plan, steps, cons, prod, kept, k, st)) is not None}
-    masks = {k: g for k, g in _relu_grad_masks(steps, cons, prod, kept).items() if k in written}
+    masks = {k: g for k, g in _relu_grad_masks(plan, steps, cons, prod, kept).items() if k in written}
     grads = _cross_entropy_grads(steps, prod, written)
     dropped = set(masks.values()) | {m for members in grads.values() for m in members}
+    derived: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for k, (_, sc) in grads.items():  # the shape steps that make the scatter's updates and the scale
+        c = steps[k].inputs[1 - steps[k].inputs.index(written[k])]
+        found = _absorbed(steps, cons, prod, kept, {steps[sc].inputs[2]: sc, c: k}, dropped | set(written))
+        if found is not None:
+            derived[k] = found
+            dropped.update(found[0])
     out: list[Step] = []
     for k, st in enumerate(steps):
         if k in dropped:  # a ReLU gradient's Greater, computed by its fused Where
@@ -58,9 +66,13 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
         if k in grads:
             e, sc = (steps[m] for m in grads[k])
             pos = st.inputs.index(data)
-            ins = (e.inputs[0], sc.inputs[1], sc.inputs[2], st.inputs[1 - pos])
-            out.append(make_step(plan, "InplaceCrossEntropyGrad", [e, sc, st], ins, st.outputs,
-                                 _cross_entropy_grad_over(plan, e, sc, st, pos)))
+            upd, c = sc.inputs[2], st.inputs[1 - pos]
+            members, roots, leaves = derived.get(k, ([], [], []))
+            derive = _ShapeDerived(plan, [steps[m] for m in members], roots, leaves) if members else None
+            ins = (e.inputs[0], sc.inputs[1], -1 if upd in roots else upd, -1 if c in roots else c, *leaves)
+            fused = [e, sc, st, *(steps[m] for m in members)]
+            out.append(make_step(plan, "InplaceCrossEntropyGrad", fused, ins, st.outputs,
+                                 _cross_entropy_grad_over(plan, e, sc, st, pos, derive)))
             continue
         if op == "Mul":
             run = _scale_over(plan, st, st.inputs.index(data))
@@ -108,10 +120,12 @@ def _scattered(steps: list[Step], prod: dict[int, int], st: Step) -> int | None:
     return None
 
 
-def _relu_grad_masks(steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int],
+def _relu_grad_masks(plan: Plan, steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int],
                      kept: set[int]) -> dict[int, int]:
-    """For each ``Where(Greater(r, c), dX, ·)`` whose mask that Where alone reads: the Where's index → the
-    Greater's (the Where is fused only when it is rewritten in place below)."""
+    """For each ``Where(Greater(r, c), dX, ·)`` whose mask that Where alone reads, computed by the Greater
+    kernel itself: the Where's index → the Greater's (the Where is fused only when it is rewritten in place
+    below)."""
+    greater_kernel = find_kernel("Greater", plan.opset)
     found: dict[int, int] = {}
     for k, st in enumerate(steps):
         if st.node.op_type != "Where" or len(st.inputs) != 3 or min(st.inputs) < 0:
@@ -122,7 +136,8 @@ def _relu_grad_masks(steps: list[Step], cons: dict[int, list[int]], prod: dict[i
             continue
         greater = steps[g]
         if (greater.node.op_type == "Greater" and len(greater.inputs) == 2 and min(greater.inputs) >= 0
-                and len(greater.outputs) == 1 and greater.node.domain in DEFAULT_DOMAINS):
+                and len(greater.outputs) == 1 and greater.node.domain in DEFAULT_DOMAINS
+                and greater.fn is greater_kernel):
             found[k] = g
     return found
 
@@ -225,7 +240,75 @@ def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, pos: int) -> Callable:
+MAX_DERIVED_STEPS = 16  # memoized shape steps one fused step may take in
+
+
+def _absorbed(steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int], kept: set[int],
+              wanted: dict[int, int], taken: set[int]) -> tuple[list[int], list[int], list[int]] | None:
+    """The memoized shape steps (:mod:`~onnxtrain.engine.fusion.shapes`) that make the slots of ``wanted``
+    (slot → the step that reads it) when nothing but those steps and that reader reads what they make: (their
+    indices in order, the wanted slots they make, the slots they read from elsewhere); None when there are
+    none, too many, or one is read elsewhere, is a graph output or is in ``taken``."""
+    roots = [s for s in wanted if s >= 0 and s in prod and is_memoized(steps[prod[s]])]
+    members: set[int] = set()
+    todo = list(roots)
+    while todo:
+        m = prod[todo.pop()]
+        if m in members:
+            continue
+        members.add(m)
+        if len(members) > MAX_DERIVED_STEPS or m in taken:
+            return None
+        todo.extend(i for i in steps[m].inputs if i >= 0 and i in prod and is_memoized(steps[prod[i]]))
+    if not members:
+        return None
+    made = {o for m in members for o in steps[m].outputs if o >= 0}
+    for o in made:
+        readers = members | ({wanted[o]} if o in roots else set())
+        if o in kept or any(r not in readers for r in cons.get(o, ())):
+            return None
+    leaves = sorted({i for m in members for i in steps[m].inputs if i >= 0 and i not in made})
+    return sorted(members), roots, leaves
+
+
+class _ShapeDerived:
+    """The values of absorbed memoized shape steps: computed by those steps from the leaf values (the tensors
+    whose shapes they read, constants and fixed integer initializers) and kept per leaf shapes and constant
+    identities, as the steps' own memos keep them."""
+
+    __slots__ = ("plan", "members", "roots", "leaves", "shape_only", "entries")
+
+    def __init__(self, plan: Plan, members: list[Step], roots: list[int], leaves: list[int]) -> None:
+        self.plan = plan
+        self.members = members
+        self.roots = roots
+        self.leaves = leaves
+        # a leaf that only Shape/Size steps read counts by its shape; any other (a constant) by identity
+        self.shape_only = [all(isinstance(st.fn, ShapeOf) for st in members if i in st.inputs)
+                           for i in leaves]
+        self.entries: dict[tuple, tuple] = {}
+
+    def __call__(self, values: Sequence[Any]) -> dict[int, Any]:
+        key = tuple(np.shape(v) if so else id(v) for v, so in zip(values, self.shape_only))
+        hit = self.entries.get(key)
+        if hit is not None:
+            return hit[1]
+        env = dict(zip(self.leaves, values))
+        for st in self.members:
+            for o, r in zip(st.outputs, self.plan._call(st, [env[i] if i >= 0 else None for i in st.inputs])):
+                if o >= 0:
+                    env[o] = r
+        got = {s: env[s] for s in self.roots}
+        if all(type(v) is np.ndarray and not v.flags.writeable for v in got.values()):  # (as the memos keep)
+            if len(self.entries) >= MAX_ENTRIES:
+                self.entries.clear()
+            # the entry holds the leaves, so that their ids cannot be reused by other objects while it lives
+            self.entries[key] = (tuple(values), got)
+        return got
+
+
+def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, pos: int,
+                             derive: _ShapeDerived | None = None) -> Callable:
     """``Mul(ScatterElements(Exp(logp), idx, upd), c)`` in one step over (logp, idx, upd, c): the Exp's
     kernel, then, for one index per row of a 2-D float array along its last axis and a one-value ``c``, the
     scatter and the scaling written into the Exp's array as :func:`scatter_elements_into` (its one-per-row
@@ -238,8 +321,13 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
     add = reduction == "add"
     scatter_run, scale_run = _scatter_over(plan, scatter), _scale_over(plan, mul, pos)
 
+    upd_slot, c_slot = scatter.inputs[2], mul.inputs[1 - pos]
+
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
-        logp, idx, upd, c = inputs
+        logp, idx, upd, c, *leaves = inputs
+        if derive is not None:
+            got = derive(leaves)
+            upd, c = got.get(upd_slot, upd), got.get(c_slot, c)
         p = plan._call(exp, [logp])[0]
         at = None
         if (

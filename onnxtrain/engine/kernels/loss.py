@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine import parallel
 from onnxtrain.engine.kernels.buffering import MIN_VALUES, call_with_buffer, run_size
 from onnxtrain.engine.kernels.half_cast import from_single, to_single
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
@@ -126,7 +127,9 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
     (none of ``target`` is it), and the general path's mean divides by the sum of the (unit) weights."""
     n, c = x.shape
     starts = row_starts(n, c)
-    if x.size < MIN_VALUES:  # one range on this thread, numpy's own buffer: the rows below, inlined
+    work = x.size * 2 // 3
+    if x.size < MIN_VALUES and work < 2 * parallel.MIN_ROWS_WORK:
+        # one range on this thread (for_rows's rule), numpy's own buffer: the rows below, inlined
         logp = _log_softmax_rows(x, starts)
     else:
         logp = np.empty_like(x)
@@ -140,7 +143,7 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
         # the same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678,
         # (1024, 1000) 1248 / 857, the bench GPT decoder's (1,024 rows of a 1,000-word head; 1.56 ms of its
         # step)
-        for_rows(n, x.size * 2 // 3, rows)
+        for_rows(n, work, rows)
     loss = logp.reshape(-1).take(_picked_offsets(target, n, c, starts))
     np.negative(loss, out=loss)
     if reduction == "none":
