@@ -1,11 +1,18 @@
 """float64 kernels for :mod:`~onnxtrain.engine.exact_rounding` where an op's own kernel, given float64, is not
-accurate to a few float64 ulps over the float32 range.
+accurate to a few float64 ulps over the float32 range, or not the value its float32 kernel approximates.
 
 Gelu's ``x/2 · (1 + erf(x/√2))`` cancels for negative x: 1 + erf is 3e-3 at x = -3 but 2e-9 at -6, where the
 float64 erf's last bit is a float32 ulp of the sum, and the engine's float64 erf is -1 exactly below -8.5,
 where Gelu is still a normal float32 down to -13. Below -3 the sum is taken as erfc(-x/√2) instead
 (``math.erfc``, one value at a time: only tail values pay it). The tanh form's ``(1 + tanh(u)) / 2`` is
 ``1 / (1 + exp(-2u))``, which does not cancel.
+
+Sigmoid's own float64 formula is accurate, but where float32's exp(-x) overflows (x below -88.72284) the
+float32 kernel gives 0, as torch's float32 sigmoid does, while the value is a positive subnormal down to
+-103.97. The float64 route keeps those zeros: a marked Sigmoid differs from an unmarked one only in its
+last bit, and a subnormal's few bits would not be a better value (the correctly rounded sigmoid(-100) is
+1.6 % above the exact one, so its log is -99.98: above torch's binary-cross-entropy clamp at -100, which
+the exact log is below).
 """
 
 from __future__ import annotations
@@ -51,5 +58,27 @@ def gelu64(inputs: Sequence[Any], attrs: Attrs) -> tuple[np.ndarray]:
     return (s,)
 
 
-# op → its float64 kernel, where the op's own one is not accurate enough
-FLOAT64_KERNELS: dict[str, Kernel] = {"Gelu": gelu64}
+def _exp_overflow_start() -> float:
+    """The least float32 whose numpy float32 exp is inf (88.72284 here)."""
+    start = np.float32(88.72).view(np.int32)
+    candidates = (start + np.arange(1024, dtype=np.int32)).view(np.float32)
+    with np.errstate(over="ignore"):
+        return float(candidates[np.argmax(np.isinf(np.exp(candidates)))])
+
+
+_SIGMOID_ZERO_AT = -_exp_overflow_start()  # at and below: float32's exp(-x) overflows, Sigmoid is 0
+
+
+def sigmoid64(inputs: Sequence[Any], attrs: Attrs) -> tuple[np.ndarray]:
+    """1 / (1 + exp(-x)) of a float64 array, 0 where float32's exp(-x) overflows (as the float32 kernel)."""
+    x = np.asarray(inputs[0], np.float64)
+    with np.errstate(over="ignore"):
+        y = np.exp(-x)
+    y += 1
+    np.divide(1.0, y, out=y)
+    y[x <= _SIGMOID_ZERO_AT] = 0.0
+    return (y,)
+
+
+# op → its float64 kernel, where the op's own one given float64 is not the value wanted
+FLOAT64_KERNELS: dict[str, Kernel] = {"Gelu": gelu64, "Sigmoid": sigmoid64}

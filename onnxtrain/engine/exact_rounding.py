@@ -17,17 +17,18 @@ nothing. The float64 route costs 3x (Exp) to 30x (Tanh) the float32 ufunc; the s
 indices (position buckets, counts).
 
 :data:`FORMULA_SOURCES` are the engine's float32 formulas over such functions (share of 1 M float32 inputs
-off the float64 value rounded once, here; float64 route's cost on 1 M values): Sigmoid, 1 / (1 + exp(-x))
-(44 %, up to 3 ulps; 1.1x); Erf, the engine's table (23 %, 1 ulp; 12x, its float64 erf within 3 float64
-ulps of libm's, the same float32 roundings on 2.5 M inputs); Softplus, exp and log1p (23 %; 3.7x); Elu,
-Selu and Celu, expm1 (19-32 %; 4-6x); Mish, softplus and tanh (45 %; 3.4x); Gelu, erf or tanh (55 %;
-digits lost to cancellation from -4 down, -0.0 from -6 down where the value is a normal float; 6x, 19x
-for the erf form, whose tail takes libm's erfc: :mod:`~onnxtrain.engine.exact_kernels`). Their float32
-zeros are not the correctly rounded value's (Sigmoid is 0 from -88.7 down), so any comparison they reach
-decides. HardSigmoid,
-HardSwish, Softsign, LeakyRelu and Pow's cubes are float32 arithmetic, each operation rounded as IEEE
-asks (HardSwish is off the float64 value on 27 % of inputs, as ``x * x * x`` is off x**3): their results
-are the same on any host, so they are neither sources nor, as they are not listed, passed through.
+off the float64 value rounded once, here; float64 route's cost on 1 M values in [-8, 8], two runs on a
+loaded host): Sigmoid, 1 / (1 + exp(-x)) (44 %, up to 3 ulps; 1.1-3x); Erf, the engine's table (23 %, 1
+ulp; 9-12x, its float64 erf within 3 float64 ulps of libm's, the same float32 roundings on 2.5 M inputs);
+Softplus, exp and log1p (23 %; 2.6-3.7x); Elu, Selu and Celu, expm1 (19-32 %; 3-6x); Mish, softplus and
+tanh (45 %; 3x); Gelu, erf or tanh (55 %; digits lost to cancellation from -4 down, -0.0 from -6 down
+where the value is a normal float; 3-6x, 19-26x for the erf form, whose tail below -3 takes libm's erfc
+value by value: :mod:`~onnxtrain.engine.exact_kernels`). Their float32
+zeros are not all the float64 route's (Gelu's), so any comparison they reach decides. Sigmoid's route keeps
+the float32 kernel's 0 below -88.72284, where float32's exp(-x) overflows (torch's sigmoid is 0 there too).
+HardSigmoid, HardSwish, Softsign, LeakyRelu and Pow's cubes are float32 arithmetic, each operation rounded
+as IEEE asks (HardSwish is off the float64 value on 27 % of inputs, as ``x * x * x`` is off x**3): their
+results are the same on any host, so they are neither sources nor, as they are not listed, passed through.
 
 :data:`SELECTING` steps pick indices by comparing values with each other: one ulp turns two neighbours
 into equals (ArgMax takes the first) or orders equals, as for 132 of 6,000 pairs of neighbours' numpy
@@ -53,8 +54,8 @@ from onnxtrain.engine.registry import Attrs, Kernel
 UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
                            "Acos", "Acosh", "Atanh"})
 # ops whose float32 kernels are formulas over an inexact exp, expm1, log1p, tanh or the engine's table erf,
-# rounded after each step; their zeros are not the correctly rounded value's (Sigmoid's exp overflows to 0
-# from -88.7 down, where the value is a positive subnormal down to -103.97)
+# rounded after each step; their zeros are not all the float64 route's (Gelu's float32 kernel gives -0.0 from
+# -6 down, where the value is a negative normal float), so a test of their sign decides
 FORMULA_SOURCES = frozenset({"Sigmoid", "Erf", "Softplus", "Elu", "Selu", "Celu", "Mish", "Gelu"})
 SOURCES = UFUNC_SOURCES | FORMULA_SOURCES
 # steps that keep each value's sign and zeros (move, pick, clamp at 0 or negate values): the walk goes on, and

@@ -359,7 +359,7 @@ def _softplus(x: float) -> float:
 # the formula ops' definitions in double precision (each within a few double ulps: rounded to float32 they
 # are the correctly rounded values but for ties), with the tails written without cancellation
 FORMULAS = {
-    ("Sigmoid", ()): _sigmoid,
+    ("Sigmoid", ()): lambda x: _sigmoid(x) if x > -88.72284 else 0.0,  # float32's exp(-x) overflows below
     ("Erf", ()): math.erf,
     ("Softplus", ()): _softplus,
     ("Elu", ()): lambda x: math.expm1(x) if x < 0 else x,
@@ -370,8 +370,8 @@ FORMULAS = {
     ("Gelu", ()): lambda x: 0.5 * x * math.erfc(-x / math.sqrt(2)),
     ("Gelu", (("approximate", "tanh"),)): lambda x: x * _sigmoid(2 * _GELU_C * (x + _GELU_K * x ** 3)),
 }
-# inputs over the op's range, its negative tail (where float32 formulas lose digits to cancellation or to
-# an overflowing exp: Sigmoid is 0 below -88.7, Gelu 0 below -5.5), and float32 neighbours of a few values
+# inputs over the op's range, its negative tail (where float32 formulas lose digits to cancellation: Gelu is
+# -0.0 below -6), and float32 neighbours of a few values
 _FORMULA_X = {"Sigmoid": (-104, 20), "Erf": (-4, 4), "Softplus": (-104, 20), "Elu": (-18, 3),
               "Selu": (-18, 3), "Celu": (-30, 3), "Mish": (-30, 12), "Gelu": (-13, 6)}
 
@@ -450,13 +450,25 @@ def test_a_formula_sources_sign_test_marks_it(chain, marked):
     assert deciding_sources(raw[1:], zero_slots(raw, {})) == marked
 
 
-def test_sigmoids_float32_kernel_loses_the_subnormal_tail():
-    """The reason Sigmoid's sign test decides: its float32 kernel gives 0 where the value is positive."""
-    from onnxtrain.engine.kernels.activation import sigmoid
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_rounded_sigmoid_keeps_the_zeros_of_float32s_overflowing_exp(fuse):
+    """Below -88.72284 float32's exp(-x) overflows and Sigmoid is 0, as torch's float32 sigmoid is, though
+    its value is a positive subnormal down to -103.97: the float64 route keeps those zeros (a subnormal's few
+    bits are no better: log of the correctly rounded sigmoid(-100) is -99.98, above torch's
+    binary-cross-entropy clamp at -100 where the exact log is below it), and is the correctly rounded value
+    above them."""
+    import torch
 
-    x = np.float32([-90.0, -100.0])
-    assert list(sigmoid(x)) == [0.0, 0.0]
-    assert all(np.float32(_sigmoid(float(v))) > 0 for v in x)
+    edge = np.float32(-88.72284)
+    x = np.concatenate([[np.nextafter(edge, np.float32(0)), edge, np.nextafter(edge, np.float32(-np.inf))],
+                        np.float32([-88.5, -88.72, -90, -100, -103.9, -200])]).astype(np.float32)
+    nodes = [helper.make_node("Sigmoid", ["x"], ["y"]), helper.make_node("Floor", ["y"], ["f"])]
+    (y,) = Plan(_model(nodes, [("y", TensorProto.FLOAT), ("f", TensorProto.FLOAT)]), fuse=fuse).run(
+        {"x": x}, ["y"])
+    np.testing.assert_array_equal(y == 0, torch.sigmoid(torch.from_numpy(x)).numpy() == 0)
+    assert list(y == 0) == [False, True, True, False, False, True, True, True, True]
+    above = y > 0
+    np.testing.assert_array_equal(y[above], np.float32([_sigmoid(float(v)) for v in x[above]]))
 
 
 @pytest.mark.parametrize("chain, marked", [
