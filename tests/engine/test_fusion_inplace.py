@@ -405,13 +405,15 @@ def test_cross_entropy_gradient_with_labels_out_of_range_runs_the_scatter_steps(
     assert got.tobytes() == want.tobytes() and got[0, 3] == 0.0  # (exp(0) − 1) · 0.5 at the wrapped index
 
 
-def training_cross_entropy_grad(shape_output: bool = False) -> onnx.ModelProto:
+def training_cross_entropy_grad(shape_output: bool = False, axes_constant: bool = True) -> onnx.ModelProto:
     """SoftmaxCrossEntropyLoss (mean) and its gradient with the shape steps the gradient builder writes: the
     seed ConstantOfShape(Shape(loss)) over Cast(Size(labels)), and −1 expanded to Shape(Unsqueeze(labels))."""
     f, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
     nodes = [
         helper.make_node("Constant", [], ["minus"],
                          value=numpy_helper.from_array(np.array(-1.0, np.float32))),
+        *([helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array([1], np.int64)))]
+          if axes_constant else []),
         helper.make_node("SoftmaxCrossEntropyLoss", ["x", "labels"], ["loss", "logp"], reduction="mean"),
         helper.make_node("Shape", ["loss"], ["loss_shape"]),
         helper.make_node("ConstantOfShape", ["loss_shape"], ["seed"],
@@ -435,21 +437,24 @@ def training_cross_entropy_grad(shape_output: bool = False) -> onnx.ModelProto:
         [helper.make_tensor_value_info("x", f, ["n", 10]),
          helper.make_tensor_value_info("labels", i64, ["n"])],
         outputs,
-        [numpy_helper.from_array(np.array([1], np.int64), "one")])
+        [] if axes_constant else [numpy_helper.from_array(np.array([1], np.int64), "one")])
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(m, full_check=True)
     return m
 
 
 @pytest.mark.parametrize("shape_output", [False, True])
-def test_cross_entropy_gradient_takes_in_its_shape_steps(shape_output: bool) -> None:
+@pytest.mark.parametrize("axes_constant", [True, False])
+def test_cross_entropy_gradient_takes_in_its_shape_steps(shape_output: bool, axes_constant: bool) -> None:
     """The fused gradient computes the scale and the updates from its shape steps itself, kept per batch
     size: the unfused plan's bits over batches of different sizes, in any order; where the updates' shape is
-    also a graph output, the steps that make the updates stay (the scale's go)."""
-    m = training_cross_entropy_grad(shape_output)
+    also a graph output, the steps that make the updates stay (the scale's go). The Unsqueeze of the labels
+    goes in too when its axes are a constant (an initializer may be fed)."""
+    m = training_cross_entropy_grad(shape_output, axes_constant)
     fused, plain = Plan(m), Plan(m, fuse=False)
     left = ops(fused)
     assert "InplaceCrossEntropyGrad" in left
+    assert ("Unsqueeze" in left) == (shape_output or not axes_constant)
     shape_ops = {"Shape", "ConstantOfShape", "Size", "Cast", "Div", "Expand"}
     assert (shape_ops & set(left)) == ({"Shape", "Expand"} if shape_output else set())
     assert left.count("Shape") == shape_output
@@ -465,3 +470,33 @@ def test_cross_entropy_gradient_takes_in_its_shape_steps(shape_output: bool) -> 
         sm /= sm.sum(1, keepdims=True)
         sm[np.arange(n), f["labels"]] -= 1
         np.testing.assert_allclose(got[1], sm / n, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_gradient_of_labels_of_another_rank_fails_as_the_unfused_plan() -> None:
+    """Labels of shape (N, 1) make indices of rank 3: the taken-in Unsqueeze runs, and the scatter fails as
+    it does unfused."""
+    f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    const = helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array([1], np.int64)))
+    minus = helper.make_node("Constant", [], ["minus"], value=numpy_helper.from_array(np.float32(-1)))
+    nodes = [const, minus, helper.make_node("Exp", ["logp"], ["p"]),
+             helper.make_node("Unsqueeze", ["labels", "one"], ["idx"]),
+             helper.make_node("Shape", ["idx"], ["idx_shape"]),
+             helper.make_node("Expand", ["minus", "idx_shape"], ["upd"]),
+             helper.make_node("ScatterElements", ["p", "idx", "upd"], ["d"], axis=1, reduction="add"),
+             helper.make_node("Mul", ["d", "scale"], ["dx"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logp", f32, None),
+                                           helper.make_tensor_value_info("labels", i64, None),
+                                           helper.make_tensor_value_info("scale", f32, None)],
+                              [helper.make_tensor_value_info("dx", f32, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    fused = Plan(m)
+    assert ops(fused) == ["InplaceCrossEntropyGrad"]
+    f = {"logp": np.zeros((3, 10), np.float32), "scale": np.float32(0.5)}
+    ok = {**f, "labels": np.array([1, 0, 9], np.int64)}
+    assert fused.run(ok)[0].tobytes() == Plan(m, fuse=False).run(ok)[0].tobytes()
+    f["labels"] = np.zeros((3, 1), np.int64)
+    with pytest.raises(Exception) as got:
+        fused.run(f)
+    with pytest.raises(Exception) as want:
+        Plan(m, fuse=False).run(f)
+    assert type(got.value) is type(want.value) and "ScatterElements" in str(got.value)

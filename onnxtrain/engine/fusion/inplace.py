@@ -48,6 +48,13 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
         if found is not None:
             derived[k] = found
             dropped.update(found[0])
+    unsqueezes: dict[int, int] = {}  # the Unsqueeze that makes a gradient's indices from the labels
+    for k, (_, sc) in grads.items():
+        u = _labels_unsqueeze(plan, steps, cons, prod, kept, steps[sc].inputs[1],
+                              {sc, *derived.get(k, ([],))[0]}, dropped | set(written))
+        if u is not None:
+            unsqueezes[k] = u
+            dropped.add(u)
     out: list[Step] = []
     for k, st in enumerate(steps):
         if k in dropped:  # a ReLU gradient's Greater, computed by its fused Where
@@ -69,10 +76,14 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             upd, c = sc.inputs[2], st.inputs[1 - pos]
             members, roots, leaves = derived.get(k, ([], [], []))
             derive = _ShapeDerived(plan, [steps[m] for m in members], roots, leaves) if members else None
-            ins = (e.inputs[0], sc.inputs[1], -1 if upd in roots else upd, -1 if c in roots else c, *leaves)
-            fused = [e, sc, st, *(steps[m] for m in members)]
+            unsqueeze = steps[unsqueezes[k]] if k in unsqueezes else None
+            idx = sc.inputs[1]
+            first, axes = (idx, -1) if unsqueeze is None else unsqueeze.inputs
+            ins = (e.inputs[0], first, -1 if upd in roots else upd, -1 if c in roots else c, axes,
+                   *(-1 if unsqueeze is not None and s == idx else s for s in leaves))
+            fused = [e, sc, st, *(steps[m] for m in members), *([unsqueeze] if unsqueeze else [])]
             out.append(make_step(plan, "InplaceCrossEntropyGrad", fused, ins, st.outputs,
-                                 _cross_entropy_grad_over(plan, e, sc, st, pos, derive)))
+                                 _cross_entropy_grad_over(plan, e, sc, st, pos, derive, unsqueeze)))
             continue
         if op == "Mul":
             run = _scale_over(plan, st, st.inputs.index(data))
@@ -271,6 +282,23 @@ def _absorbed(steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int
     return sorted(members), roots, leaves
 
 
+def _labels_unsqueeze(plan: Plan, steps: list[Step], cons: dict[int, list[int]], prod: dict[int, int],
+                      kept: set[int], idx: int, readers: set[int], taken: set[int]) -> int | None:
+    """The index of the ``Unsqueeze(labels, [1] or [-1])`` step (axes a folded constant) that makes slot
+    ``idx`` when only ``readers`` read it; else None."""
+    u = prod.get(idx)
+    if u is None or u in taken or idx in kept or any(r not in readers for r in cons.get(idx, ())):
+        return None
+    st = steps[u]
+    if (st.node.op_type != "Unsqueeze" or st.node.domain not in DEFAULT_DOMAINS or len(st.inputs) != 2
+            or min(st.inputs) < 0 or len(st.outputs) != 1):
+        return None
+    axes = constant_of(plan, st.inputs[1])
+    if axes is None or axes.dtype.kind != "i" or axes.reshape(-1).tolist() not in ([1], [-1]):
+        return None
+    return u
+
+
 class _ShapeDerived:
     """The values of absorbed memoized shape steps: computed by those steps from the leaf values (the tensors
     whose shapes they read, constants and fixed integer initializers) and kept per leaf shapes and constant
@@ -308,7 +336,7 @@ class _ShapeDerived:
 
 
 def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, pos: int,
-                             derive: _ShapeDerived | None = None) -> Callable:
+                             derive: _ShapeDerived | None = None, unsqueeze: Step | None = None) -> Callable:
     """``Mul(ScatterElements(Exp(logp), idx, upd), c)`` in one step over (logp, idx, upd, c): the Exp's
     kernel, then, for one index per row of a 2-D float array along its last axis and a one-value ``c``, the
     scatter and the scaling written into the Exp's array as :func:`scatter_elements_into` (its one-per-row
@@ -321,10 +349,16 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
     add = reduction == "add"
     scatter_run, scale_run = _scatter_over(plan, scatter), _scale_over(plan, mul, pos)
 
-    upd_slot, c_slot = scatter.inputs[2], mul.inputs[1 - pos]
+    upd_slot, c_slot, idx_slot = scatter.inputs[2], mul.inputs[1 - pos], scatter.inputs[1]
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
-        logp, idx, upd, c, *leaves = inputs
+        logp, idx, upd, c, axes, *leaves = inputs
+        if unsqueeze is not None:  # idx is the labels: Unsqueeze(labels, [1]) is (N, 1) of the same values
+            labels = idx
+            idx = (labels.reshape(-1, 1) if type(labels) is np.ndarray and labels.ndim == 1
+                   else plan._call(unsqueeze, [labels, axes])[0])
+            if derive is not None:
+                leaves = [idx if s == idx_slot else v for s, v in zip(derive.leaves, leaves)]
         if derive is not None:
             got = derive(leaves)
             upd, c = got.get(upd_slot, upd), got.get(c_slot, c)
@@ -355,7 +389,10 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             flat[at] = np.add(flat[at], upd.reshape(-1)) if add else upd.reshape(-1)
             # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
             return (np.multiply(*((p, c) if pos == 0 else (c, p)), out=p),)
-        d = scatter_run([p, idx, upd], attrs)[0]
+        try:
+            d = scatter_run([p, idx, upd], attrs)[0]
+        except Exception as e:  # failed as the ScatterElements node, with its inputs named
+            plan._raise_failed(scatter, [p, idx, upd], e)
         return scale_run((d, c) if pos == 0 else (c, d), attrs)
 
     return run
