@@ -500,3 +500,22 @@ def test_cross_entropy_gradient_of_labels_of_another_rank_fails_as_the_unfused_p
     with pytest.raises(Exception) as want:
         Plan(m, fuse=False).run(f)
     assert type(got.value) is type(want.value) and "ScatterElements" in str(got.value)
+
+
+def test_cross_entropy_gradient_keeps_no_batch_alive() -> None:
+    """The shape steps' results are kept per leaf shape: the labels and the loss whose shapes they read are
+    not held after the run."""
+    import gc
+    import weakref
+
+    m = training_cross_entropy_grad()
+    fused = Plan(m)
+    rng = np.random.default_rng(12)
+    x = rng.normal(0, 1, (5, 10)).astype(np.float32)
+    labels = rng.integers(0, 10, 5)
+    alive = weakref.ref(labels)
+    loss, _ = fused.run({"x": x, "labels": labels})
+    held = weakref.ref(loss)
+    del labels, loss
+    gc.collect()
+    assert alive() is None and held() is None

@@ -330,8 +330,10 @@ class _ShapeDerived:
         if all(type(v) is np.ndarray and not v.flags.writeable for v in got.values()):  # (as the memos keep)
             if len(self.entries) >= MAX_ENTRIES:
                 self.entries.clear()
-            # the entry holds the leaves, so that their ids cannot be reused by other objects while it lives
-            self.entries[key] = (tuple(values), got)
+            # the entry holds the leaves keyed by identity (constants), so that their ids cannot be reused by
+            # other objects while it lives; not those keyed by shape (a batch's activations)
+            held = tuple(v for v, so in zip(values, self.shape_only) if not so)
+            self.entries[key] = (held, got)
         return got
 
 
