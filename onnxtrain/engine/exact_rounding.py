@@ -37,6 +37,14 @@ addition, whatever its exps'): an ``ArgMax(Softmax(x))`` marks nothing and keeps
 itself is not a source: 67 % of its float32 values are off the float64 Softmax rounded once (a (1024,
 1000) input), but the float64 route costs 3.3x (1.3 -> 4.3 ms there), and the argmax of those rows was
 the same in both.
+
+The walk follows a value into the bodies of :data:`BODIES` steps (read from the ONNX graphs, not the bodies'
+plans): a value a body captures, a Loop's carried value (around the loop too: a state output is the next
+iteration's input), a Scan's input, and through the bodies' outputs to the steps after the node. It does
+not follow a source inside a body whose result leaves the body or goes around a Loop: the body's plan is
+built, marked and fused before the outer graph is walked, and only knows its own steps (telling it which of
+its outputs decide would take the plan's build, not this module: walk the outer graph first, then build
+each body with its deciding outputs marked as sinks).
 """
 
 from __future__ import annotations
@@ -46,9 +54,12 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 
 from onnxtrain.engine.exact_kernels import FLOAT64_KERNELS
 from onnxtrain.engine.registry import Attrs, Kernel
+from onnxtrain.ir.attrs import parse_attributes
+from onnxtrain.ir.graphs import body_reads, captured_names, subgraphs
 
 # numpy-ufunc ops whose float32 SIMD results are not correctly rounded (but have its sign and its zeros)
 UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin",
@@ -76,6 +87,8 @@ COMPARING = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqua
 # indices are made all the same; Hardmax is a one-hot ArgMax)
 SELECTING = frozenset({"ArgMax", "ArgMin", "TopK", "Hardmax"})
 DISCRETE = ROUNDING | COMPARING | SELECTING
+# control-flow ops whose bodies the walk follows a value into (passed in, or captured)
+BODIES = frozenset({"If", "Loop", "Scan"})
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16})
 # the float types a float32 cast to keeps its value (float16 and bfloat16 keep signs, not zeros)
@@ -107,9 +120,10 @@ def zero_slots(steps: Sequence[RawStep], constants: dict[int, Any]) -> set[int]:
 
 
 def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general: list[bool],
-           signed: list[bool], r: int) -> bool:
+           signed: list[bool], r: int, memo: dict) -> bool:
     """Whether ``value`` read by ``step`` (index ``r``) decides a discrete result: ``exact_sign`` when the
-    value has its correctly rounded sign; ``general``/``signed``: the same for ``r``'s outputs."""
+    value has its correctly rounded sign; ``general``/``signed``: the same for ``r``'s outputs; ``memo``:
+    the bodies looked into so far."""
     node, attrs, ins = step[0], step[2], step[3]
     op = node.op_type
     if node.domain not in ("", "ai.onnx"):
@@ -127,26 +141,155 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
         return signed[r] if exact_sign and to in _KEEPING_FLOATS else general[r]
     if op in SIGN_KEEPING:
         return signed[r] if exact_sign else general[r]
+    if op in BODIES:
+        return _into_bodies(step, value, exact_sign, (general[r], signed[r]), zeros, memo)
     return general[r] if op in CONTINUOUS else False
 
 
-def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset()) -> set[int]:
-    """Indices of the :data:`SOURCES` steps whose outputs reach a :data:`ROUNDING` step, a Cast to a
-    non-float type or a :data:`COMPARING` step through :data:`CONTINUOUS` steps, but for comparisons with a
-    constant of ``zeros`` (and ``Sign``) of values that passed :data:`SIGN_KEEPING` steps only."""
+def _walk_back(steps: Sequence[RawStep], zeros: set[int], memo: dict, fixed: dict[int, tuple[bool, bool]]
+               ) -> tuple[list[bool], list[bool], dict[int, list[int]]]:
+    """Per step, whether its outputs reach a discrete result (``general``) and whether they do when they
+    have the correctly rounded sign (``signed``); ``fixed``: those two given for some steps (a body's
+    outputs); and the readers of each slot."""
     readers: dict[int, list[int]] = {}
     for k, (_, _, _, ins, _) in enumerate(steps):
         for s in ins:
             if s >= 0:
                 readers.setdefault(s, []).append(k)
-    # a step reads only earlier steps' outputs, so walking back from the last step finds each reader decided.
-    # general[k]: k's outputs reach a discrete result; signed[k]: they do when they have the exact sign
+    # a step reads only earlier steps' outputs, so walking back from the last step finds each reader decided
     general = [False] * len(steps)
     signed = [False] * len(steps)
     for k in range(len(steps) - 1, -1, -1):
+        if k in fixed:
+            general[k], signed[k] = fixed[k]
+            continue
         pairs = [(s, r) for s in steps[k][4] for r in readers.get(s, ())]
-        general[k] = any(_reach(steps[r], s, False, zeros, general, signed, r) for s, r in pairs)
-        signed[k] = general[k] and any(_reach(steps[r], s, True, zeros, general, signed, r) for s, r in pairs)
+        general[k] = any(_reach(steps[r], s, False, zeros, general, signed, r, memo) for s, r in pairs)
+        signed[k] = general[k] and any(_reach(steps[r], s, True, zeros, general, signed, r, memo)
+                                       for s, r in pairs)
+    return general, signed, readers
+
+
+def _slot_reach(steps: Sequence[RawStep], slot: int, zeros: set[int], walked: tuple, memo: dict
+                ) -> tuple[bool, bool]:
+    """(general, signed) of a slot no step makes (a graph's input, a captured value), from ``walked``:
+    :func:`_walk_back`'s result."""
+    general, signed, readers = walked
+    rs = readers.get(slot, ())
+    hit = any(_reach(steps[r], slot, False, zeros, general, signed, r, memo) for r in rs)
+    return hit, hit and any(_reach(steps[r], slot, True, zeros, general, signed, r, memo) for r in rs)
+
+
+def _into_bodies(step: RawStep, value: int, exact_sign: bool, after: tuple[bool, bool], zeros: set[int],
+                 memo: dict) -> bool:
+    """Whether ``value``, passed by the control-flow ``step`` into its bodies (a Loop's carried value, a
+    Scan's input, a value a body captures), decides a discrete result in a body or, through the node's
+    outputs, after it (``after``: the node's outputs' (general, signed))."""
+    node, fn, attrs, ins = step[0], step[1], step[2], step[3]
+    opset = getattr(attrs, "opset", 0) or onnx.defs.onnx_opset_version()
+    captured = getattr(fn, "captures", None)
+    if captured is None:
+        captured = body_reads(node)
+    n = len(node.input)
+    zero_names = frozenset(captured[p - n] for p in range(n, len(ins)) if ins[p] in zeros)
+    for p, s in enumerate(ins):
+        if s != value:
+            continue
+        for g in subgraphs(node):
+            body = _body_reach(g, node, opset, after, zero_names, memo)
+            if p < n:
+                i = _body_input_index(node, p, opset)
+                hit = body[0][i] if i is not None and i < len(body[0]) else (False, False)
+            else:
+                hit = body[1].get(captured[p - n], (False, False))
+            if hit[1 if exact_sign else 0]:
+                return True
+    return False
+
+
+def _body_input_index(node: onnx.NodeProto, p: int, opset: int) -> int | None:
+    """The body input that the node's input ``p`` becomes (None for a Loop's trip count and condition and
+    an If's condition)."""
+    if node.op_type == "Loop":
+        return p if p >= 2 else None
+    if node.op_type == "Scan":
+        if opset >= 9:
+            return p
+        return p - 1 if p >= 1 else None  # Scan-8's first input is the sequence lengths
+    return None
+
+
+def _carried(node: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> list[tuple[int, int]]:
+    """(body output, body input) pairs of a Loop's or Scan's state: the output is the next iteration's
+    input."""
+    if node.op_type == "Loop":
+        return [(1 + j, 2 + j) for j in range(len(node.input) - 2)]
+    if node.op_type == "Scan":
+        scans = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+        states = len(node.input) - scans - (1 if opset < 9 else 0)
+        return [(j, j) for j in range(states)]
+    return []
+
+
+def _body_reach(graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, after: tuple[bool, bool],
+                zero_names: frozenset[str], memo: dict
+                ) -> tuple[list[tuple[bool, bool]], dict[str, tuple[bool, bool]]]:
+    """(general, signed) of each input of the body ``graph`` of ``node`` and of each value it captures,
+    its outputs reaching ``after`` (a state output also what its next iteration's input reaches);
+    ``zero_names``: the captured values that are constant zeros."""
+    key = (id(graph), after, zero_names)
+    kept = memo.get(key)
+    if kept is not None and kept[0] is graph:
+        return kept[1]
+    slots: dict[str, int] = {}
+    for v in graph.input:
+        slots.setdefault(v.name, len(slots))
+    steps: list[RawStep] = []
+    for nd in graph.node:
+        ins = [slots.setdefault(x, len(slots)) if x else -1 for x in nd.input]
+        ins += [slots.setdefault(x, len(slots)) for x in body_reads(nd)]
+        outs = [slots.setdefault(x, len(slots)) if x else -1 for x in nd.output]
+        try:
+            attrs = parse_attributes(nd, opset)
+        except Exception:  # an op of another domain, or none ONNX knows: the walk stops there anyway
+            attrs = {}
+        steps.append((nd, None, attrs, ins, outs))
+    first_sink = len(steps)  # one Identity per body output, standing for what reads it after the node
+    for v in graph.output:
+        steps.append((onnx.helper.make_node("Identity", [v.name], []), None, {},
+                      [slots.setdefault(v.name, len(slots))], []))
+    constants = {slots[t.name]: onnx.numpy_helper.to_array(t) for t in graph.initializer
+                 if t.name in slots and 0 < np.prod(t.dims) <= _ZERO_TEST_MAX}
+    zeros = zero_slots(steps[:first_sink], constants) | {slots[z] for z in zero_names if z in slots}
+    fixed = {first_sink + j: after for j in range(len(graph.output))}
+    inputs = [slots[v.name] for v in graph.input]
+    while True:
+        walked = _walk_back(steps, zeros, memo, fixed)
+        reach_in = [_slot_reach(steps, s, zeros, walked, memo) for s in inputs]
+        changed = False
+        for o, i in _carried(node, graph, opset):
+            if o < len(graph.output) and i < len(reach_in):
+                was = fixed[first_sink + o]
+                now = (was[0] or reach_in[i][0], was[1] or reach_in[i][1])
+                changed |= now != was
+                fixed[first_sink + o] = now
+        if not changed:
+            break
+    free = {name: _slot_reach(steps, slots[name], zeros, walked, memo) for name in captured_names(graph)
+            if name in slots}
+    result = (reach_in, free)
+    memo[key] = (graph, result)
+    return result
+
+
+def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset()) -> set[int]:
+    """Indices of the :data:`SOURCES` steps whose outputs reach a :data:`ROUNDING` step, a Cast to a
+    non-float type, a :data:`COMPARING` or a :data:`SELECTING` step through :data:`CONTINUOUS` steps and
+    into the bodies of :data:`BODIES` steps, but for comparisons with a constant of ``zeros`` (and ``Sign``)
+    of values that passed :data:`SIGN_KEEPING` steps only."""
+    if not any(node.op_type in SOURCES for node, *_rest in steps):
+        return set()
+    general, signed, _ = _walk_back(steps, zeros, {}, {})
     # a source decides when its outputs do with their correctly rounded signs (a formula's float32 zeros
     # are not those: any reach counts)
     deciding = [k for k, (node, *_rest) in enumerate(steps) if node.domain in ("", "ai.onnx") and (

@@ -83,13 +83,15 @@ def test_float64_and_unmarked_steps_keep_numpys_ufunc():
 
 
 def _raw(nodes: list[onnx.NodeProto]) -> list[tuple]:
-    """(node, fn, attrs, input slots, output slots) as the plan builds them, fn left out."""
+    """(node, fn, attrs, input slots, output slots) as the plan builds them, fn left out: a control-flow
+    node's inputs, then the values its bodies capture."""
     from onnxtrain.ir.attrs import parse_attributes
+    from onnxtrain.ir.graphs import body_reads
 
     slots: dict[str, int] = {}
     raw = []
     for n in nodes:
-        ins = [slots.setdefault(i, len(slots)) for i in n.input]
+        ins = [slots.setdefault(i, len(slots)) for i in (*n.input, *body_reads(n))]
         outs = [slots.setdefault(o, len(slots)) for o in n.output]
         raw.append((n, None, parse_attributes(n, 17), ins, outs))
     return raw
@@ -517,3 +519,134 @@ def test_argmax_argmin_and_topk_of_an_exp_pick_as_the_correctly_rounded_values(f
     np.testing.assert_array_equal(hi, np.argmax(want, 1))
     np.testing.assert_array_equal(lo, np.argmin(want, 1))
     np.testing.assert_array_equal(top[:, 0], np.argmax(want, 1))
+
+
+def _body(nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str]) -> onnx.GraphProto:
+    """A body graph of float32 values (a Loop's iteration count and condition named as they are)."""
+    types = {"i": TensorProto.INT64, "cond": TensorProto.BOOL, "cond_out": TensorProto.BOOL}
+    return helper.make_graph(nodes, "body", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
+                                                                           None) for n in inputs],
+                             [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None)
+                              for n in outputs])
+
+
+def _if(then_nodes: list[onnx.NodeProto], then_out: str, else_out: str = "x") -> onnx.NodeProto:
+    else_branch = _body([helper.make_node("Identity", [else_out], ["e"])], [], ["e"])
+    return helper.make_node("If", ["c"], ["o"], then_branch=_body(then_nodes, [], [then_out]),
+                            else_branch=else_branch)
+
+
+def _loop(body_nodes: list[onnx.NodeProto], carried: list[str], inputs: list[str], outputs: list[str],
+          outer: list[str]) -> onnx.NodeProto:
+    """A Loop of trip count ``n`` and condition ``c`` carrying ``outer`` as ``carried``."""
+    body = _body(body_nodes, ["i", "cond", *carried], ["cond_out", *outputs])
+    return helper.make_node("Loop", ["n", "c", *outer], [f"{o}_final" for o in outputs], body=body)
+
+
+_COND = [helper.make_node("Identity", ["cond"], ["cond_out"])]
+
+
+@pytest.mark.parametrize("case, marked", [
+    # a value an If's branch captures, rounded to an integer in the branch
+    ("if_captured_floor", {0}),
+    # ... only added to in the branch, then rounded after the If: through the branch's output
+    ("if_captured_then_floor_after", {0}),
+    ("if_captured_continuous_only", set()),
+    # a Loop's carried value compared in the body; carried on once before it is (the next iteration's input)
+    ("loop_carried_compared", {0}),
+    ("loop_carried_on_then_compared", {0}),
+    ("loop_carried_continuous_only", set()),
+    # a Scan's scanned input rounded in the body
+    ("scan_input_floor", {0}),
+    # a Relu's gradient mask in a branch: the source's own sign tested, as outside a body
+    ("if_captured_sign_test", set()),
+    # a body within a body
+    ("nested_if_floor", {0}),
+])
+def test_a_value_passed_into_a_body_that_decides_there_marks_its_source(case, marked):
+    """The walk follows a source's result into If, Loop and Scan bodies: a value a body captures, a Loop's
+    carried value (and around the loop to the next iteration), a Scan's input; and through the bodies'
+    outputs to the steps after the node."""
+    exp = helper.make_node("Exp", ["x"], ["a"])
+    floor_a = [helper.make_node("Floor", ["a"], ["t"])]
+    add_a = [helper.make_node("Add", ["a", "a"], ["t"])]
+    if case == "if_captured_floor":
+        nodes = [exp, _if(floor_a, "t")]
+    elif case == "if_captured_then_floor_after":
+        nodes = [exp, _if(add_a, "t"), helper.make_node("Floor", ["o"], ["f"])]
+    elif case == "if_captured_continuous_only":
+        nodes = [exp, _if(add_a, "t"), helper.make_node("Add", ["o", "o"], ["f"])]
+    elif case == "loop_carried_compared":
+        body = [*_COND, helper.make_node("Less", ["v", "w"], ["m"]),
+                helper.make_node("Identity", ["v"], ["v2"])]
+        nodes = [exp, _loop(body, ["v"], [], ["v2"], ["a"])]
+    elif case == "loop_carried_on_then_compared":
+        body = [*_COND, helper.make_node("Identity", ["v"], ["v_next"]),
+                helper.make_node("Identity", ["v"], ["u_next"]), helper.make_node("Ceil", ["u"], ["m"])]
+        nodes = [exp, _loop(body, ["v", "u"], [], ["v_next", "u_next"], ["a", "x"])]
+    elif case == "loop_carried_continuous_only":
+        body = [*_COND, helper.make_node("Mul", ["v", "v"], ["v_next"])]
+        nodes = [exp, _loop(body, ["v"], [], ["v_next"], ["a"]),
+                 helper.make_node("Add", ["v_next_final", "x"], ["f"])]
+    elif case == "scan_input_floor":
+        body = _body([helper.make_node("Add", ["s", "e"], ["s2"]), helper.make_node("Floor", ["e"], ["f"])],
+                     ["s", "e"], ["s2", "f"])
+        nodes = [exp, helper.make_node("Scan", ["x", "a"], ["sf", "fs"], body=body, num_scan_inputs=1)]
+    elif case == "if_captured_sign_test":
+        nodes = [exp, _zero("z"), _if([helper.make_node("Relu", ["a"], ["r"]),
+                                       helper.make_node("Greater", ["r", "z"], ["t"])], "t")]
+    else:
+        inner = _if(floor_a, "t")
+        inner.output[0] = "io"
+        nodes = [exp, _if([inner], "io")]
+    assert deciding_sources(_raw(nodes), zero_slots(_raw(nodes), {})) == marked
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_log_floored_in_a_loop_body_is_rounded_once(fuse):
+    """A Log's result carried into a Loop whose body floors it (DeBERTa's bucket, computed per step of a
+    loop): the logs carried through are the correctly rounded ones, and so are the floors (inputs near
+    e**k, whose logs are near integers)."""
+    near = np.float32([math.e ** k for k in range(1, 6)])[:, None]
+    x = np.concatenate([np.random.default_rng(11).uniform(0.5, 300, 2000).astype(np.float32),
+                        (near + near * np.float32(2e-7) * np.arange(-60, 60, dtype=np.float32)).ravel()])
+    body = [*_COND, helper.make_node("Floor", ["v"], ["fl"]), helper.make_node("Identity", ["v"], ["v2"])]
+    loop = helper.make_node("Loop", ["n", "c", "l"], ["v_final", "fl_scan"],
+                            body=_body(body, ["i", "cond", "v"], ["cond_out", "v2", "fl"]))
+    nodes = [helper.make_node("Log", ["x"], ["l"]), loop]
+    n = helper.make_tensor("n", TensorProto.INT64, [], [2])
+    c = helper.make_tensor("c", TensorProto.BOOL, [], [True])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("v_final", TensorProto.FLOAT, ["n"]),
+                               helper.make_tensor_value_info("fl_scan", TensorProto.FLOAT, [2, "n"])],
+                              initializer=[n, c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    v, fl = Plan(model, fuse=fuse).run({"x": x})
+    want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
+    np.testing.assert_array_equal(v, want)
+    np.testing.assert_array_equal(fl, np.stack([np.floor(want)] * 2))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_log_an_if_branch_captures_and_floors_is_rounded_once(fuse):
+    """The plan's own control-flow step (its captures after its inputs): a Log's result captured by an If's
+    branch that floors it is the correctly rounded one."""
+    near = np.float32([math.e ** k for k in range(1, 6)])[:, None]
+    x = (near + near * np.float32(2e-7) * np.arange(-60, 60, dtype=np.float32)).ravel()
+    branch = _body([helper.make_node("Floor", ["l"], ["t"])], [], ["t"])
+    other = _body([helper.make_node("Identity", ["l"], ["e"])], [], ["e"])
+    nodes = [helper.make_node("Log", ["x"], ["l"]),
+             helper.make_node("If", ["c"], ["o"], then_branch=branch, else_branch=other)]
+    c = helper.make_tensor("c", TensorProto.BOOL, [], [True])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("l", TensorProto.FLOAT, ["n"]),
+                               helper.make_tensor_value_info("o", TensorProto.FLOAT, ["n"])], initializer=[c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    plan = Plan(model, fuse=fuse)
+    assert [rounds_exactly(st.fn) for st in plan.steps if st.node.op_type == "Log"] == [True]
+    lx, o = plan.run({"x": x})
+    want = np.array([math.log(float(v)) for v in x], dtype=np.float32)
+    np.testing.assert_array_equal(lx, want)
+    np.testing.assert_array_equal(o, np.floor(want))
