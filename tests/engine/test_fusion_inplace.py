@@ -331,10 +331,11 @@ def test_relu_gradient_of_a_broadcast_activation_runs_the_original_steps() -> No
     assert got.shape == want.shape == (12, 7) and got.tobytes() == want.tobytes()
 
 
-def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = False,
-                            reduction: str = "add", labels=np.int64) -> onnx.ModelProto:
+def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = False, reduction: str = "add",
+                            labels=np.int64, per_row: bool = False) -> onnx.ModelProto:
     """dz = ScatterElements(Exp(logp), Unsqueeze(labels), −1) · (1 / rows): the gradient of a mean
-    SoftmaxCrossEntropyLoss as the training graph writes it (a one-value scale)."""
+    SoftmaxCrossEntropyLoss as the training graph writes it (a one-value scale; ``per_row``: a weight per
+    row, as the legacy graph's with an ignored class)."""
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     i64 = helper.np_dtype_to_tensor_dtype(np.dtype(labels))
     nodes = [
@@ -348,7 +349,7 @@ def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = Fal
         [helper.make_tensor_value_info("logp", et, [rows, cols]),
          helper.make_tensor_value_info("labels", i64, [rows]),
          helper.make_tensor_value_info("minus", et, [rows, 1]),
-         helper.make_tensor_value_info("scale", et, [])],
+         helper.make_tensor_value_info("scale", et, [rows, 1] if per_row else [])],
         [helper.make_tensor_value_info("dz", et, [rows, cols])],
         [numpy_helper.from_array(np.array([1], np.int64), "one")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -359,14 +360,16 @@ def mean_cross_entropy_grad(rows: int, cols: int, dtype, scale_first: bool = Fal
 @pytest.mark.parametrize("reduction", ["add", "none"])
 @pytest.mark.parametrize("shape", [(2, 4), (64, 10), (300, 7)])
 @pytest.mark.parametrize("index", [np.int64, np.int32])
+@pytest.mark.parametrize("per_row", [False, True])
 def test_cross_entropy_gradient_is_one_step_bit_identically(dtype, scale_first: bool, reduction: str,
-                                                            shape: tuple[int, int], index) -> None:
+                                                            shape: tuple[int, int], index,
+                                                            per_row: bool) -> None:
     """Exp, the scatter and the scaling by 1/N as one step: the unfused plan's bits (NaN, ±inf and -0.0 among
     the log-probabilities, a NaN scale) and float64's values."""
     from onnx.reference import ReferenceEvaluator
 
     rows, cols = shape
-    m = mean_cross_entropy_grad(rows, cols, dtype, scale_first, reduction, index)
+    m = mean_cross_entropy_grad(rows, cols, dtype, scale_first, reduction, index, per_row)
     fused, plain = Plan(m), Plan(m, fuse=False)
     assert "InplaceCrossEntropyGrad" in ops(fused)
     assert not {"Exp", "ScatterElements", "Mul", "InplaceScatterElements", "InplaceMul"} & set(ops(fused))
@@ -375,15 +378,18 @@ def test_cross_entropy_gradient_is_one_step_bit_identically(dtype, scale_first: 
     logp.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
     f = {"logp": logp, "labels": rng.integers(0, cols, rows).astype(index),
          "minus": np.full((rows, 1), -1.0, dtype), "scale": np.array(1 / rows, dtype)}
+    weights = rng.uniform(0, 2, (rows, 1)).astype(dtype)  # a weight per row (the legacy graph's: 0 or 1/N)
+    weights[0] = -0.0
     for scale in (f["scale"], np.array(np.nan, dtype)):
-        f["scale"] = scale
+        f["scale"] = weights * scale if per_row else scale
         want = plain.run(f)[0]
         for _ in range(2):
             got = fused.run(f)[0]
             assert got.dtype == want.dtype == dtype and got.tobytes() == want.tobytes()
-    f["scale"] = np.array(1 / rows, dtype)
+    f["scale"] = weights / dtype(rows) if per_row else np.array(1 / rows, dtype)
     want = plain.run(f)[0]
-    ref = ReferenceEvaluator(m).run(None, f)[0]
+    with np.errstate(invalid="ignore"):  # (∞ · -0.0 in row 0)
+        ref = ReferenceEvaluator(m).run(None, f)[0]
     np.testing.assert_allclose(want, ref, rtol=1e-6, atol=1e-7)
 
 

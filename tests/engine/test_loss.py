@@ -310,3 +310,37 @@ def test_softmax_cross_entropy_2d_int32_and_int64_targets_agree(bad: int | None)
         got.append(compile_model(model).run({"x0": x, "x1": t.astype(dtype)})[0])
     if bad is None:
         assert got[0].tobytes() == got[1].tobytes() == _general_sce(x, t, "none")[0].tobytes()
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 4, 2])
+@pytest.mark.parametrize("case", ["none_ignored", "some_ignored", "out_of_range"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_softmax_cross_entropy_ignored_class_outside_the_classes_needs_no_scan(
+    ignore_index: int, case: str, reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ignore_index outside [0, C) (torch's -100) is not looked for: the rows path runs, and a target out
+    of range (that class, or another) sends the batch to the general path, which ignores that class or
+    reports the others. The general path's bits and errors in every case; one inside [0, C) is scanned for
+    first."""
+    from onnxtrain.engine.kernels import loss as loss_module
+
+    rows_calls: list[bool] = []
+    real = loss_module._sce_rows
+    monkeypatch.setattr(loss_module, "_sce_rows", lambda *a: rows_calls.append(True) or real(*a))
+    rng = np.random.default_rng(13)
+    x = rng.normal(0, 2, (6, 4)).astype(np.float32)
+    t = rng.integers(0, 4, 6).astype(np.int64)
+    t[t == ignore_index] = (ignore_index + 1) % 4
+    if case == "some_ignored":
+        t[[1, 4]] = ignore_index
+    elif case == "out_of_range":
+        t[3] = 7
+    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction, ignore_index=ignore_index)
+    if case == "out_of_range":
+        with pytest.raises(EngineError, match="outside"):
+            compile_model(model).run({"x0": x, "x1": t})
+        return
+    (loss,) = compile_model(model).run({"x0": x, "x1": t})
+    assert loss.tobytes() == _general_sce(x, t, reduction, ignore_index)[0].tobytes()
+    scanned_in = 0 <= ignore_index < 4
+    assert bool(rows_calls) == (case == "none_ignored" or not scanned_in)

@@ -340,11 +340,14 @@ class _ShapeDerived:
 def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, pos: int,
                              derive: _ShapeDerived | None = None, unsqueeze: Step | None = None) -> Callable:
     """``Mul(ScatterElements(Exp(logp), idx, upd), c)`` in one step over (logp, idx, upd, c): the Exp's
-    kernel, then, for one index per row of a 2-D float array along its last axis and a one-value ``c``, the
-    scatter and the scaling written into the Exp's array as :func:`scatter_elements_into` (its one-per-row
-    path) and :func:`_scale_over` compute them, without their general checks (10-20 µs of a training step
-    out of cache); otherwise the in-place scatter and Mul steps. ``pos``: the scattered array's place in
-    the Mul."""
+    kernel, then, for one index per row of a 2-D float array along its last axis and a ``c`` that broadcasts
+    to it (one value, or a weight per row), the scatter and the scaling written into the Exp's array as
+    :func:`scatter_elements_into` (its one-per-row path) and :func:`_scale_over` compute them, without
+    their general checks (10-20 µs of a training step out of cache); otherwise the in-place scatter and
+    Mul steps. ``pos``: the scattered array's place in the Mul. ``derive``: the absorbed shape steps that
+    make the updates or the scale (those inputs are then omitted, and the step's inputs end with the slots
+    those steps read); ``unsqueeze``: the absorbed ``Unsqueeze(labels, axes)`` that made the indices (the
+    step reads the labels and axes instead)."""
     axis = scatter.attrs.get("axis", 0)
     reduction = scatter.attrs.get("reduction") or "none"
     fast = axis in (1, -1) and reduction in ("add", "none")
@@ -380,8 +383,8 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             and upd.dtype == p.dtype
             and type(c) is np.ndarray
             and c.dtype == p.dtype
-            and c.size == 1
             and c.ndim <= 2
+            and all(k in (1, m) for k, m in zip(c.shape[::-1], p.shape[::-1]))  # (a per-row weight: (N, 1))
             and not np.may_share_memory(p, upd)
             and not np.may_share_memory(p, c)
         ):
@@ -389,8 +392,9 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
         if at is not None:  # one index per row: distinct positions
             flat = p.reshape(-1)
             flat[at] = np.add(flat[at], upd.reshape(-1)) if add else upd.reshape(-1)
+            cc = uniform(c) if p.size >= UNIFORM_MIN else c  # (as _scale_over applies it)
             # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
-            return (np.multiply(*((p, c) if pos == 0 else (c, p)), out=p),)
+            return (np.multiply(*((p, cc) if pos == 0 else (cc, p)), out=p),)
         try:
             d = scatter_run([p, idx, upd], attrs)[0]
         except Exception as e:  # failed as the ScatterElements node, with its inputs named

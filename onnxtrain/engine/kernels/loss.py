@@ -101,9 +101,9 @@ def _log_softmax_rows(x: np.ndarray, starts: np.ndarray, out: np.ndarray | None 
 
 
 def _picked_offsets(target: np.ndarray, n: int, c: int, starts: np.ndarray) -> np.ndarray:
-    """The flat offsets of each row's target class in a C-contiguous (n, c) array; ValueError for a target
-    outside [0, c). int64 targets by one call that checks and computes them (half the time of the check,
-    then the sum)."""
+    """The flat offsets of each row's target class in a C-contiguous (n, c) array; :class:`OutOfRange` for
+    a target outside [0, c). int64 targets by one call that checks and computes them (half the time of the
+    check, then the sum)."""
     if target.dtype == _I64:
         try:
             return np.ravel_multi_index((row_starts(n, 1), target), (n, c))
@@ -111,7 +111,11 @@ def _picked_offsets(target: np.ndarray, n: int, c: int, starts: np.ndarray) -> n
             pass
     elif in_range(target, c):
         return starts + target
-    raise ValueError(f"target holds class indices outside [0, {c}) that are not ignore_index")
+    raise OutOfRange(f"target holds class indices outside [0, {c}) that are not ignore_index")
+
+
+class OutOfRange(ValueError):
+    """A target class index outside [0, C)."""
 
 
 _I64 = np.dtype(np.int64)
@@ -166,13 +170,20 @@ def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
     if x.ndim < 2:
         raise ValueError(f"SoftmaxCrossEntropyLoss needs scores of shape (N, C, ...), got {x.shape}")
     ignore_index = attrs["ignore_index"]
-    if (weight is None and x.ndim == 2 and target.ndim == 1 and x.dtype in _LEAN_DTYPES and x.size
-            and target.dtype.kind in "iu" and x.flags.c_contiguous and target.shape[0] == x.shape[0]
-            # torch's exports always name an ignored class (-100): the rows path serves them when no
-            # target is that class
-            and (ignore_index is None or not np.logical_or.reduce(np.equal(target, ignore_index)))):
-        loss, logp = _sce_rows(x, target, attrs["reduction"], ignore_index is not None)
-    else:
+    lean = (weight is None and x.ndim == 2 and target.ndim == 1 and x.dtype in _LEAN_DTYPES and x.size
+            and target.dtype.kind in "iu" and x.flags.c_contiguous and target.shape[0] == x.shape[0])
+    # torch's exports always name an ignored class (-100): the rows path serves them when no target is that
+    # class. One outside [0, C) needs no scan: the rows path finds any target out of range (that one too)
+    if lean and ignore_index is not None and 0 <= ignore_index < x.shape[1]:
+        lean = not np.logical_or.reduce(np.equal(target, ignore_index))
+    if lean:
+        try:
+            loss, logp = _sce_rows(x, target, attrs["reduction"], ignore_index is not None)
+        except OutOfRange:
+            if ignore_index is None:
+                raise
+            lean = False  # an ignored target, or one the general path reports
+    if not lean:
         logp = log_softmax_along(_work(x), 1)
         loss = _nll(logp, target, weight, attrs).astype(x.dtype, copy=False)
     if attrs.n_outputs > 1 and attrs.output_used[1]:
