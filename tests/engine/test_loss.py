@@ -312,6 +312,20 @@ def test_softmax_cross_entropy_2d_int32_and_int64_targets_agree(bad: int | None)
         assert got[0].tobytes() == got[1].tobytes() == _general_sce(x, t, "none")[0].tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("spatial", [False, True])
+def test_softmax_cross_entropy_target_out_of_range_fails_as_a_value_error(spatial: bool, dtype) -> None:
+    """A class outside [0, C) fails as the same ValueError on the 2-D rows path as on the general path (the
+    onnxruntime backend words its refusal so too: ort_plan.py), not as the rows path's own signal."""
+    x = np.random.default_rng(14).normal(0, 2, (5, 4, 1) if spatial else (5, 4)).astype(np.float32)
+    t = np.array([0, 1, 7, 3, 2], dtype).reshape((5, 1) if spatial else (5,))
+    plan = compile_model(_loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction="mean"))
+    with pytest.raises(EngineError) as e:
+        plan.run({"x0": x, "x1": t})
+    assert "ValueError: target holds class indices outside [0, 4) that are not ignore_index" in str(e.value)
+    assert type(e.value.__cause__) is ValueError
+
+
 @pytest.mark.parametrize("ignore_index", [-100, 4, 2])
 @pytest.mark.parametrize("case", ["none_ignored", "some_ignored", "out_of_range"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

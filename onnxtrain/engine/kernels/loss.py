@@ -179,9 +179,9 @@ def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
     if lean:
         try:
             loss, logp = _sce_rows(x, target, attrs["reduction"], ignore_index is not None)
-        except OutOfRange:
-            if ignore_index is None:
-                raise
+        except OutOfRange as e:
+            if ignore_index is None:  # the general path's error (the onnxruntime backend words it so too)
+                raise ValueError(str(e)) from None
             lean = False  # an ignored target, or one the general path reports
     if not lean:
         logp = log_softmax_along(_work(x), 1)
