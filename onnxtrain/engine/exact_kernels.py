@@ -37,6 +37,8 @@ def gelu64(inputs: Sequence[Any], attrs: Attrs) -> tuple[np.ndarray]:
     """Gelu of a float64 array, each value within a few float64 ulps of the exact one (``approximate``
     'none' or 'tanh')."""
     x = np.asarray(inputs[0], np.float64)
+    if x.ndim == 0:  # (numpy gives a 0-d array's results as scalars, which out= and item assignment refuse)
+        return (gelu64([x.reshape(1)], attrs)[0].reshape(()),)
     if attrs["approximate"] == "tanh":
         u = x * x
         u *= -2 * _GELU_C3
@@ -72,6 +74,8 @@ _SIGMOID_ZERO_AT = -_exp_overflow_start()  # at and below: float32's exp(-x) ove
 def sigmoid64(inputs: Sequence[Any], attrs: Attrs) -> tuple[np.ndarray]:
     """1 / (1 + exp(-x)) of a float64 array, 0 where float32's exp(-x) overflows (as the float32 kernel)."""
     x = np.asarray(inputs[0], np.float64)
+    if x.ndim == 0:
+        return (sigmoid64([x.reshape(1)], attrs)[0].reshape(()),)
     with np.errstate(over="ignore"):
         y = np.exp(-x)
     y += 1

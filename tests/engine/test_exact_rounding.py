@@ -409,6 +409,23 @@ def test_each_formula_source_is_rounded_once_before_a_floor(op, attrs, fuse):
     np.testing.assert_array_equal(f, np.floor(want * np.float32(1000)))
 
 
+@pytest.mark.parametrize("v", [-4.5, -1.25, 0.75])
+@pytest.mark.parametrize("op, attrs", sorted(FORMULAS, key=str))
+def test_a_formula_source_of_a_scalar_is_rounded_once(op, attrs, v):
+    """A 0-d input (a scalar score, a one-element Gather) takes the float64 route too: the correctly rounded
+    value, as for an array (Gelu's tail below -3 included)."""
+    scalar = helper.make_tensor_value_info
+    nodes = [helper.make_node(op, ["x"], ["y"], **dict(attrs)), helper.make_node("Floor", ["y"], ["f"])]
+    graph = helper.make_graph(nodes, "g", [scalar("x", TensorProto.FLOAT, [])],
+                              [scalar(n, TensorProto.FLOAT, []) for n in "yf"])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    onnx.checker.check_model(model, full_check=True)
+    want = np.float32(FORMULAS[op, attrs](float(np.float32(v))))
+    y, f = Plan(model).run({"x": np.array(v, np.float32)}, ["y", "f"])
+    assert y.shape == () and y.dtype == np.float32
+    assert y.view(np.int32) == want.view(np.int32) and f == np.floor(want)
+
+
 def test_a_formula_source_is_not_rounded_when_nothing_decides():
     """An Erf and a Sigmoid whose results meet only continuous steps keep the engine's float32 kernels."""
     from onnxtrain.engine.kernels.activation import sigmoid
