@@ -525,3 +525,13 @@ def test_cross_entropy_gradient_keeps_no_batch_alive() -> None:
     del labels, loss
     gc.collect()
     assert alive() is None and held() is None
+
+
+def test_cross_entropy_gradient_step_is_named_after_its_mul() -> None:
+    """The fused gradient makes the Mul's output: it carries the Mul's name (in its errors and the plan's
+    profile), not that of a shape step or the Unsqueeze it took in."""
+    m = training_cross_entropy_grad()
+    for i, node in enumerate(m.graph.node):
+        node.name = f"{node.op_type}_{i}"
+    (step,) = [st for st in Plan(m).steps if st.node.op_type == "InplaceCrossEntropyGrad"]
+    assert step.node.name == f"InplaceCrossEntropyGrad(Mul_{len(m.graph.node) - 1})"

@@ -81,7 +81,8 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             first, axes = (idx, -1) if unsqueeze is None else unsqueeze.inputs
             ins = (e.inputs[0], first, -1 if upd in roots else upd, -1 if c in roots else c, axes,
                    *(-1 if unsqueeze is not None and s == idx else s for s in leaves))
-            fused = [e, sc, st, *(steps[m] for m in members), *([unsqueeze] if unsqueeze else [])]
+            # the Mul last: the fused step makes its output and is named after it (errors, the profile)
+            fused = [e, sc, *(steps[m] for m in members), *([unsqueeze] if unsqueeze else []), st]
             out.append(make_step(plan, "InplaceCrossEntropyGrad", fused, ins, st.outputs,
                                  _cross_entropy_grad_over(plan, e, sc, st, pos, derive, unsqueeze)))
             continue
