@@ -9,6 +9,12 @@ writes into the Exp's array instead of copying it first (4 MB for the GPT decode
 values are the same bits: the same ufuncs, only the output buffer changes. At run time the step checks that
 the array is its own to write (writeable, the output's shape and dtype, not sharing memory with the other
 inputs); otherwise it runs the original kernel.
+
+Two patterns become one step each: the ReLU gradient ``Where(Greater(r, c), dX, 0)`` whose mask only it reads
+(``InplaceReluGrad``: the mask computed inside, no Greater step), and the cross-entropy gradient
+``Mul(ScatterElements(Exp(logp), Unsqueeze(labels), updates), scale)`` with the memoized shape steps that make
+its updates and scale (``InplaceCrossEntropyGrad``, named after the Mul: the Exp, the one-per-row scatter and
+the scaling in one kernel; the shape steps' results kept per batch shape, as their own memos keep them).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ if TYPE_CHECKING:
 def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     """Rewrite each Relu, and each ``Where(c, x, 0)``, whose data input is a product (a step of
     :data:`~onnxtrain.engine.donation.FRESH_OPS`) read by that step alone, to write into that input; such a
-    Where whose ``c`` is a ``Greater`` that it alone reads (a ReLU gradient) computes the mask itself."""
+    Where whose ``c`` is a ``Greater`` that it alone reads (a ReLU gradient) computes the mask itself, and a
+    cross-entropy gradient's Exp, scatter, Mul and shape steps become one step (module docstring)."""
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     written = {k: data for k, st in enumerate(steps)
                if (data := _written_input(plan, steps, cons, prod, kept, k, st)) is not None}
