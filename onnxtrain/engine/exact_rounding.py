@@ -28,7 +28,8 @@ zeros are not all the float64 route's (Gelu's), so any comparison they reach dec
 the float32 kernel's 0 below -88.72284, where float32's exp(-x) overflows (torch's sigmoid is 0 there too).
 HardSigmoid, HardSwish, Softsign, LeakyRelu and Pow's cubes are float32 arithmetic, each operation rounded
 as IEEE asks (HardSwish is off the float64 value on 27 % of inputs, as ``x * x * x`` is off x**3): their
-results are the same on any host, so they are neither sources nor, as they are not listed, passed through.
+results are the same on any host, so they are not sources; the walk passes through them
+(:data:`EXACT_FORMULAS`), as a source's error before them reaches what comes after.
 
 :data:`SELECTING` steps pick indices by comparing values with each other: one ulp turns two neighbours
 into equals (ArgMax takes the first) or orders equals, as for 132 of 6,000 pairs of neighbours' numpy
@@ -69,6 +70,10 @@ UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "S
 # -6 down, where the value is a negative normal float), so a test of their sign decides
 FORMULA_SOURCES = frozenset({"Sigmoid", "Erf", "Softplus", "Elu", "Selu", "Celu", "Mish", "Gelu"})
 SOURCES = UFUNC_SOURCES | FORMULA_SOURCES
+# float32 formulas of IEEE arithmetic only (the same bits on any host): not sources, but continuous in their
+# input, so a source's one-ulp error passes through them to a decision; not sign-keeping (LeakyRelu's α·x of a
+# tiny negative value may round to -0.0)
+EXACT_FORMULAS = frozenset({"HardSigmoid", "HardSwish", "Softsign", "LeakyRelu"})
 # steps that keep each value's sign and zeros (move, pick, clamp at 0 or negate values): the walk goes on, and
 # a value that only passed these since its source still has the correctly rounded value's sign
 SIGN_KEEPING = frozenset({
@@ -76,7 +81,7 @@ SIGN_KEEPING = frozenset({
     "Expand", "Transpose", "Concat", "Slice", "Split", "Pad", "Gather", "GatherElements", "GatherND", "Where",
     "Tile"})
 # other steps whose result is continuous in their float inputs: the walk goes on
-CONTINUOUS = SOURCES | SIGN_KEEPING | frozenset({
+CONTINUOUS = SOURCES | SIGN_KEEPING | EXACT_FORMULAS | frozenset({
     "Add", "Sub", "Mul", "Div", "Reciprocal", "Sqrt", "Pow", "Max", "Min", "Clip", "Sum", "Mean"})
 # steps that map a real to an integer: a one-ulp change moves their result at their thresholds
 ROUNDING = frozenset({"Ceil", "Floor", "Round"})

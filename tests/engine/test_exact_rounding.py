@@ -446,9 +446,12 @@ def test_a_formula_source_is_not_rounded_when_nothing_decides():
      {0}),
     ([("Mish", ["x"], ["a"]), ("Gelu", ["a"], ["g"]), ("Less", ["g", "b"], ["c"])], {0, 1}),
     ([("Selu", ["x"], ["a"]), ("Celu", ["a"], ["g"]), ("Sign", ["g"], ["c"])], {0, 1}),
-    # no transcendental in their float32 kernels: not sources, and the walk stops at them
+    # no transcendental in their float32 kernels: not sources, but a source's error passes through them
     ([("HardSwish", ["x"], ["a"]), ("Floor", ["a"], ["c"])], set()),
-    ([("Exp", ["x"], ["a"]), ("Softsign", ["a"], ["s"]), ("Floor", ["s"], ["c"])], set()),
+    ([("Exp", ["x"], ["a"]), ("Softsign", ["a"], ["s"]), ("Floor", ["s"], ["c"])], {0}),
+    ([("Tanh", ["x"], ["a"]), ("HardSigmoid", ["a"], ["s"]), ("Less", ["s", "b"], ["c"])], {0}),
+    ([("Sigmoid", ["x"], ["a"]), ("LeakyRelu", ["a"], ["s"]), ("HardSwish", ["s"], ["h"]),
+      ("Round", ["h"], ["c"])], {0}),
     ([("Sigmoid", ["x"], ["a"]), ("MatMul", ["a", "w"], ["m"]), ("Floor", ["m"], ["c"])], set()),
 ])
 def test_which_formula_steps_are_marked(chain, marked):
