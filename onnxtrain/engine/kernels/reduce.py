@@ -148,10 +148,16 @@ def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | 
     k = len(lead)
     if lead != list(range(k)) or k == nd:
         return None
-    if w.size < BLAS_SUM_MIN:  # numpy's sum, as np.sum computes it (the other paths would not apply)
-        return np.add.reduce(w, axis=tuple(lead), dtype=w.dtype, keepdims=keepdims)
+    return _sum_leading(w, k, keepdims)
+
+
+def _sum_leading(w: np.ndarray, k: int, keepdims: bool) -> np.ndarray:
+    """The sum over the first ``k`` axes of a contiguous float32/64 array (the callers check that): numpy's
+    own sum below :data:`BLAS_SUM_MIN` values (as np.sum computes it), else a product with ones."""
+    if w.size < BLAS_SUM_MIN:
+        return np.add.reduce(w, axis=tuple(range(k)), dtype=w.dtype, keepdims=keepdims)
     rows = math.prod(w.shape[:k])
-    y = np.ones(rows, w.dtype) @ w.reshape(rows, -1)
+    y = _ones(rows, w.dtype) @ w.reshape(rows, -1)
     return y.reshape((1,) * k + w.shape[k:] if keepdims else w.shape[k:])
 
 
@@ -179,10 +185,7 @@ def _bias_sum(x: Any, axes: Any, keepdims: Any) -> np.ndarray | None:
             or axes.size != 1 or x.dtype not in _BLAS_FLOATS or not x.size or not x.flags.c_contiguous
             or axes.item() not in (0, -2)):
         return None
-    if x.size < BLAS_SUM_MIN:
-        return np.add.reduce(x, axis=(0,), dtype=x.dtype, keepdims=bool(keepdims))
-    y = _ones(x.shape[0], x.dtype) @ x
-    return y.reshape(1, -1) if keepdims else y
+    return _sum_leading(x, 1, bool(keepdims))
 
 
 _I64 = np.dtype(np.int64)
