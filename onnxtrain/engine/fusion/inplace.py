@@ -219,12 +219,18 @@ def _where_zero_over(plan: Plan, st: Step) -> Callable:
         ):
             # where(c, x, +0.0) as the Where kernel's select computes it, inlined: its general checks cost
             # 15-25 µs more here, out of cache in a training step
-            bits = x.view(it)
-            np.multiply(bits, c.view(np.int8), out=bits, dtype=it)
-            return (x,)
+            return (_zero_where_not(x, c, it),)
         return plan._call(st, list(inputs))
 
     return run
+
+
+def _zero_where_not(x: np.ndarray, mask: np.ndarray, it: np.dtype) -> np.ndarray:
+    """``x`` with +0.0 where the boolean ``mask`` is False, in place: its bits times the mask's 0/1 bytes in
+    the integer type ``it`` of its width (the Where kernel's select)."""
+    bits = x.view(it)
+    np.multiply(bits, mask.view(np.int8), out=bits, dtype=it)
+    return x
 
 
 def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
@@ -248,9 +254,7 @@ def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
             and zero.dtype == x.dtype
             and zero.ndim <= x.ndim  # (a [1, 1, 1] zero adds axes to the Where's output)
         ):
-            bits = x.view(it)
-            np.multiply(bits, np.greater(r, c).view(np.int8), out=bits, dtype=it)
-            return (x,)
+            return (_zero_where_not(x, np.greater(r, c), it),)
         return plan._call(where, [plan._call(greater, [r, c])[0], x, zero])
 
     return run
