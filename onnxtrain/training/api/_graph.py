@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,20 @@ class InputSpec:
     name: str
     dtype: np.dtype | None
     shape: tuple[int | str | None, ...] | None
+    # derived once for the quick check of a plain array: whether it applies (a declared dtype other than
+    # object), the dims when all are fixed, else the (axis, size) pairs that are
+    _quick: bool = field(init=False, repr=False, compare=False)
+    _static: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    _fixed: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        quick = self.dtype is not None and self.dtype != np.dtype(object)
+        static = shape if shape is not None and all(isinstance(d, int) for d in shape) else None
+        fixed = () if shape is None else tuple((i, d) for i, d in enumerate(shape) if isinstance(d, int))
+        object.__setattr__(self, "_quick", quick)
+        object.__setattr__(self, "_static", static)
+        object.__setattr__(self, "_fixed", fixed)
 
     @classmethod
     def of(cls, vi: onnx.ValueInfoProto) -> InputSpec:
@@ -81,6 +95,19 @@ class InputSpec:
     def check(self, value: Any) -> np.ndarray:
         """``value`` as an array of the right dtype and shape; InvalidFeedType / InvalidFeed (also TypeError /
         ValueError) name the input."""
+        # a plain row-major array of the declared dtype and dims: the full check would return it as it is
+        if (type(value) is np.ndarray and self._quick and value.dtype == self.dtype
+                and value.flags.c_contiguous):
+            if self._static is not None:
+                if value.shape == self._static:
+                    return value
+            elif self.shape is None or (value.ndim == len(self.shape)
+                                        and all(value.shape[i] == d for i, d in self._fixed)):
+                return value
+        return self._full_check(value)
+
+    def _full_check(self, value: Any) -> np.ndarray:
+        """:meth:`check` for any value."""
         if isinstance(value, OrtValue):
             value = value.numpy()
         arr = feed_array(self.name, value, self.dtype)

@@ -136,6 +136,8 @@ class ContiguousBuffer(np.ndarray):
 def _ortvalue_class(values: Sequence[Any]) -> Any:
     """The class of ``values`` when they are all ``OrtValue``-like (not numpy arrays, with ``numpy()`` and
     a class method ``ortvalue_from_numpy``) and of one class; else None."""
+    if values and type(values[0]) is np.ndarray:  # (the usual call: numpy arrays)
+        return None
     kinds = {type(v) for v in values}
     if len(kinds) != 1:
         return None
@@ -446,6 +448,7 @@ class Module:
         # buffers of parameters this state does not hold: not user inputs either
         hidden |= {n for n in names if n.endswith(BUFFER_SUFFIX)}
         self._train_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
+        self._train_dims_shared = dims_shared(self._train_inputs)
         self._train_outputs = [n for n in outputs if not n.endswith(ACCUMULATED_SUFFIX)
                                and n not in self._added_outputs]
         # parameters of the model the checkpoint lacks: user inputs, as in onnxruntime-training (§3.1), whose
@@ -493,6 +496,7 @@ class Module:
         self._eval_params = [v.name for v in inputs if v.name in self._state._params]
         hidden = set(self._eval_params) | {RESET_INPUT}
         self._eval_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
+        self._eval_dims_shared = dims_shared(self._eval_inputs)
         if self._eval_params:  # (what the training model lacks was reported already)
             training = {s.name for s in self._train_inputs}
             self._warn_unheld([v for v in inputs if v.name not in training], {v.name for v in inputs}, "eval")
@@ -579,7 +583,8 @@ class Module:
         if self._same_size:
             check_same_sizes(self._same_size, feeds, "the training model")
         user_feeds = dict(feeds)  # (the outputs must not share memory with them)
-        empty_batch = empty_run(feeds)  # BatchNorm's running statistics are left as they were
+        # an empty batch leaves BatchNorm's running statistics as they were
+        empty_batch = bool(self._running_stats) and empty_run(feeds)
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
         params = self._state._params
         overwrite = self._overwrite_plan is not None and not self._accumulate
@@ -613,7 +618,7 @@ class Module:
             dropped = drop_unheld_grads([params[p] for p in self._trainable])
         try:
             results = _checked_run(lambda: plan.run(feeds, wanted, **kw), self._train_inputs, feeds,
-                                   "the training model")
+                                   "the training model", self._train_dims_shared)
         except BaseException:
             for prm in dropped:  # a failed call leaves zeros where it dropped the stale gradients
                 prm.grad = np.zeros_like(prm.data) if prm.data is not None else None
@@ -655,7 +660,7 @@ class Module:
         feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
         plan = self._eval_plan
         outs = _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
-                            "the eval model")
+                            "the eval model", self._eval_dims_shared)
         return _own(_unshared(outs, self._state._params.values()), user_feeds)
 
     def lazy_reset_grad(self) -> None:
@@ -792,21 +797,28 @@ class Module:
         return [s.name for s in self._eval_inputs], list(self._eval_outputs)
 
 
-def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str
-                 ) -> Any:
+def dims_shared(specs: Sequence[InputSpec]) -> bool:
+    """Whether a symbolic dimension name occurs twice in ``specs`` (one input's dims or two inputs'): else
+    no feeds can give it two sizes."""
+    names = [d for s in specs if s.shape is not None for d in s.shape if isinstance(d, str) and d]
+    return len(names) != len(set(names))
+
+
+def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str,
+                 shared: bool = True) -> Any:
     """``run()``, told apart where inputs sharing a symbolic dimension (a batch of inputs against one of
     labels) were fed different sizes of it: a failed run raises a ValueError naming them, with the engine's
     error as its cause; one that succeeded warns (once per place): either the model reuses a dimension's
     name for another size, or a batch is wrong and the runtime did not notice (onnxruntime's loss kernels
-    do not all check)."""
+    do not all check). ``shared``: :func:`dims_shared` of ``specs`` (False: nothing to tell apart)."""
     try:
         out = run()
     except Exception as e:
-        msg = shared_dim_mismatch(specs, feeds, what)
+        msg = shared_dim_mismatch(specs, feeds, what) if shared else None
         if msg is not None:
             raise ValueError(msg) from e
         raise
-    msg = shared_dim_mismatch(specs, feeds, what)
+    msg = shared_dim_mismatch(specs, feeds, what) if shared else None
     if msg is not None:
         warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
              "each other")
