@@ -109,6 +109,10 @@ class FlatUpdate:
         self._release_bindings = release_bindings
         self.outputs = [f"{g.name}{suffix}.out" for g in groups
                         for suffix in ["", *(f".{k}" for k in updated)]]
+        # each group's feed names: its gradient's, its moments' (in ``keys`` order) and the donated ones
+        self._names = [(f"{g.name}_grad", [f"{g.name}.{k}" for k in keys],
+                        [g.name, *(f"{g.name}.{k}" for k in updated)]) for g in groups]
+        self._kept_updated = [k in updated for k in keys]
 
     @classmethod
     def build(cls, model: onnx.ModelProto, params: list[tuple[str, onnx.TypeProto]], keys: list[str],
@@ -178,7 +182,7 @@ class FlatUpdate:
         donate = []
         targets: list[np.ndarray] = []  # the arrays the outputs are the new values of, in order
         grads: list[np.ndarray] = []
-        for g in self.groups:
+        for g, (grad_name, moment_names, donated) in zip(self.groups, self._names):
             if g.single:  # the state's own arrays (a donated weight must own its memory)
                 prm = params[g.params[0]]
                 flat = prm.data
@@ -198,13 +202,14 @@ class FlatUpdate:
                 flat = g.flat
                 kept = [g.moments[k] for k in self.keys]
             feeds[g.name] = flat
-            feeds[f"{g.name}_grad"] = grad
-            feeds.update((f"{g.name}.{k}", m) for k, m in zip(self.keys, kept))
-            donate += [g.name, *(f"{g.name}.{k}" for k in self.updated)]
-            targets += [flat, *(m for k, m in zip(self.keys, kept) if k in self.updated)]
+            feeds[grad_name] = grad
+            feeds.update(zip(moment_names, kept))
+            donate += donated
+            targets.append(flat)
+            targets += [m for m, up in zip(kept, self._kept_updated) if up]
             grads.append(grad)
         if reduce is not None:
-            feeds.update(zip((f"{g.name}_grad" for g in self.groups), reduce(grads)))
+            feeds.update(zip((names[0] for names in self._names), reduce(grads)))
         results = self.plan.run(feeds, self.outputs, donate=donate)
         feeds.clear()
         for target, value in zip(targets, results):

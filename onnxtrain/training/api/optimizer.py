@@ -279,6 +279,7 @@ class Optimizer:
         self._outputs = outputs
         lr_vi = next(v for v in g.input if v.name == LR_INPUT)
         self._lr_dtype = np.float64 if lr_vi.type.tensor_type.elem_type == 11 else np.float32
+        self._lr_array: np.ndarray | None = None  # the last learning rate feed (runs only read it)
 
     def _flat_update(self, model: Any, scalars: set[str]) -> FlatUpdate | None:
         """The update over flat buffers when the model allows it (no loss scaling, every input a trainable
@@ -366,11 +367,18 @@ class Optimizer:
             rates["the loss scale (the Module's loss scaler)"] = float(np.asarray(scale).reshape(-1)[0])
         check_same_scalars(parallel.get_communicator(), rates, "Optimizer.step: checking the ranks' rates")
 
+    def _lr_feed(self, lr: float) -> np.ndarray:
+        """``np.array([lr])`` of the model's learning rate type, the last one again while it holds ``lr``."""
+        feed = self._lr_array
+        if feed is None or feed[0] != lr:
+            feed = self._lr_array = np.array([lr], self._lr_dtype)
+        return feed
+
     def _step(self) -> None:
         opt = self._opt
         params = self._state._params
         self._allocate_moments(opt)
-        feeds: dict[str, Any] = {LR_INPUT: np.array([opt.lr], self._lr_dtype),
+        feeds: dict[str, Any] = {LR_INPUT: self._lr_feed(opt.lr),
                                  STEP_INPUT: np.array([opt.step + 1], np.int64)}
         if self._data_parallel:
             self._check_same_rates()
