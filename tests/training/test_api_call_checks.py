@@ -4,7 +4,7 @@ An input spec decides from facts taken when it is made (a declared dtype, the fi
 row-major array can pass as it is; anything else (another dtype, shape, rank, layout or kind of value) goes
 through the full check. A Module called with a good batch, then bad ones, then good ones again must raise
 each time with the message it always gave, and train as torch does. The mismatch check of symbolic dims runs
-only for inputs that share a dim name (:func:`dims_shared`).
+only where inputs that share a dim name (:func:`shared_dims`) were fed different sizes of it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
 from onnxtrain.training.api._graph import InputSpec
-from onnxtrain.training.api.module import dims_shared
+from onnxtrain.training.api.module import _sizes_agree, shared_dims
 
 torch = pytest.importorskip("torch")
 
@@ -149,16 +149,34 @@ def test_spec_quick_check_returns_plain_arrays_as_they_are():
     assert InputSpec("x", F32, (2, 3)) != spec
 
 
-def test_dims_shared():
+def test_shared_dims_and_their_sizes():
     def specs(*shapes):
         return [InputSpec(f"i{k}", F32, s) for k, s in enumerate(shapes)]
 
-    assert dims_shared(specs(("batch", 4), ("batch", 3)))
-    assert dims_shared(specs(("n", "n")))
-    assert not dims_shared(specs(("batch", 4), ("rows", 3)))
-    assert not dims_shared(specs((2, 4), (2, 3)))
-    assert not dims_shared(specs(("", 4), ("", 3), None))
-    assert not dims_shared(specs(None, ("batch", None)))
+    assert shared_dims(specs(("batch", 4), ("batch", 3))) == [[("i0", 0), ("i1", 0)]]
+    assert shared_dims(specs(("n", "n"))) == [[("i0", 0), ("i0", 1)]]
+    assert shared_dims(specs(("batch", 4), ("rows", 3))) == []
+    assert shared_dims(specs((2, 4), (2, 3))) == []
+    assert shared_dims(specs(("", 4), ("", 3), None)) == []
+    assert shared_dims(specs(None, ("batch", None))) == []
+    shared = shared_dims(specs(("b", "s", 4), ("b",), ("s", "b")))
+    assert shared == [[("i0", 0), ("i1", 0), ("i2", 1)], [("i0", 1), ("i2", 0)]]
+    feeds = {"i0": np.zeros((2, 3, 4)), "i1": np.zeros(2), "i2": np.zeros((3, 2))}
+    assert _sizes_agree(shared, feeds)
+    assert not _sizes_agree(shared, {**feeds, "i1": np.zeros(5)})
+    assert not _sizes_agree(shared, {**feeds, "i2": np.zeros((2, 3))})
+    assert not _sizes_agree(shared, {**feeds, "i2": np.zeros(3)})  # (no axis 1: the full check decides)
+    assert not _sizes_agree(shared, {"i0": feeds["i0"], "i1": feeds["i1"]})
+
+
+def test_agreeing_batches_do_not_warn(setup, recwarn):
+    folder, _, dynamic = setup
+    m = _module(folder)
+    if dynamic:
+        assert m._train_shared_dims == [[("input", 0), ("target", 0)]]
+    for n in (2, 5, 1) if dynamic else (2,):
+        m(np.ones((n, 4), np.float32), np.zeros((n, 3), np.float32))
+    assert not [w for w in recwarn if "share dimension" in str(w.message)]
 
 
 def test_mixed_ortvalue_and_array_inputs(setup):
