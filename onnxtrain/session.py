@@ -292,9 +292,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         # feed override such an initializer from IR version 4 on; below it (where exporters listed every
         # initializer as an input) they are constants there, as in InferenceSession: not overridable. A
         # trained one too, as in onnxruntime 1.16.3: the run computes with the fed value and leaves the
-        # weight as it was (its optimizer state is updated); not where a step runs as two graphs or over MPI
+        # weight as it was (its optimizer state is updated); not over MPI, nor where a step runs as two graphs
+        # on the backend (on the numpy engine, a run that feeds one runs the single graph)
         inits = {t.name for t in g.full.graph.initializer} if self._ir_version >= 4 else set()
-        feedable = declared if self._dp is None and not self._halves else set()
+        feedable = declared if self._dp is None and not (self._halves and self._backend != "numpy") else set()
         self._fed_weights = [w for w in g.trainable if w in feedable] if self._ir_version >= 4 else []
         frozen = [node_arg(v) for v in g.full.graph.input
                   if v.name in inits and v.name not in self._store or v.name in self._fed_weights]

@@ -81,9 +81,9 @@ class FlatLegacyUpdate:
                                     for w in grp.weights)
 
     @classmethod
-    def build(cls, session: TrainingSession) -> FlatLegacyUpdate | None:
+    def build(cls, session: TrainingSession, min_merged: int = 2) -> FlatLegacyUpdate | None:
         """The flat update of the session's step, or None when the step does not qualify (module
-        docstring) or merging would change nothing."""
+        docstring) or no group would merge ``min_merged`` weights (the graphs are then not built)."""
         p, opt, g = session._params, session._opt, session._graphs
         if (opt is None or opt.name not in FLAT_OPTIMIZERS or session._dp is not None
                 or g.mixed_precision is not None or not flat_update_enabled(session._sess_options)):
@@ -107,7 +107,7 @@ class FlatLegacyUpdate:
                     by_key[key] = grp
             grp.weights.append(w)
             grp.shapes.append(tuple(arr.shape))
-        if all(len(grp.weights) == 1 for grp in groups):
+        if max((len(grp.weights) for grp in groups), default=0) < max(min_merged, 2):
             return None
         full = g.full.graph
         names = NameGen({v.name for v in full.input} | {o for n in full.node for o in n.output})
@@ -173,15 +173,17 @@ class FlatLegacyUpdate:
 
     def step(self, store: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: Any) -> None:
         """One update of every weight in ``store`` with gradients ``grads`` (name → array) and learning rate
-        feed ``lr``; the caller has checked :meth:`applies`."""
+        feed ``lr``; the caller has checked :meth:`applies`. The merged groups' entries leave ``grads`` once
+        gathered (the update then reads the group's buffer)."""
         feeds: dict[str, Any] = {self.lr: lr}
         donate: list[str] = []
         for grp in self.groups:
             if grp.merged:
                 self._gather(grp, store)
-                parts = [grads[f"{w}_grad"] for w in grp.weights]
+                parts = [grads.pop(f"{w}_grad") for w in grp.weights]
                 if any(a is not grp.views[f"{w}_grad"] for a, w in zip(parts, grp.weights)):
                     np.concatenate(parts, axis=None, out=grp.grad)
+                del parts  # (a caller holding no other reference frees them before the update runs)
                 if self.per_weight_grads:  # (the norm's: read as the per-weight graph reads them)
                     feeds.update((f"{w}_grad", grp.views[f"{w}_grad"]) for w in grp.weights)
                 feeds[grp.name] = grp.flat

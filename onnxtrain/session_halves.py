@@ -1,18 +1,23 @@
-"""A legacy session's step as two graphs on the onnxruntime backend.
+"""A legacy session's step as two graphs (on the onnxruntime backend; on the numpy engine over many small
+weights).
 
 The session's single step graph (forward, backward, update) makes onnxruntime's arena hold the update's
-weight-sized intermediates beside the backward's: three 4096² weights with Adam peaked at 1,277 MiB above
-the RSS before the build, against 796 on the numpy engine; the bench's MLP 784-512-512-10 at 108 MiB against
+weight-sized intermediates beside the backward's: three 4096² weights with Adam peaked at 1,277 MiB above the
+RSS before the build, against 796 on the numpy engine; the bench's MLP 784-512-512-10 at 108 MiB against
 onnxruntime-training's 104. So a step on the backend runs the step's two halves instead, as data parallelism
-does without the exchange: the gradients graph (forward and backward), whose gradients onnxruntime writes
-into the arrays of the step before, then the update graph, written into the weights and moments in place
-(in pieces when its largest weight has ``ort_chunks.CHUNK_FROM`` values or more and the graph allows it:
-:mod:`onnxtrain.engine.ort_chunks`). Peak RSS of the bench's models, single graph → halves (MiB): MLP at
-batch 64 108.5 → 105.4, at 256 113.2 → 110.2, LeNet 99.6 → 99.0, transformer 171.0 → 161.4, GPT decoder
-147.9 → 146.8; the steps as fast (two sessions in one process, alternating rounds, halves / single: MLP
-0.99 and 0.95, LeNet 0.94). One process (under gradient accumulation, the step that updates: the gradients
-graph then gives the sums, which the update reads averaged); a run asking for an output neither half
-computes runs the single graph.
+does without the exchange: the gradients graph (forward and backward), whose gradients onnxruntime writes into
+the arrays of the step before (the numpy engine's kernels allocate them), then the update graph, written into
+the weights and moments in place (in pieces when its largest weight has ``ort_chunks.CHUNK_FROM`` values or
+more and the graph allows it: :mod:`onnxtrain.engine.ort_chunks`). Peak RSS of the bench's models, single
+graph → halves (MiB): MLP at batch 64 108.5 → 105.4, at 256 113.2 → 110.2, LeNet 99.6 → 99.0, transformer
+171.0 → 161.4, GPT decoder 147.9 → 146.8; the steps as fast (two sessions in one process, alternating rounds,
+halves / single: MLP 0.99 and 0.95, LeNet 0.94). One process (under gradient accumulation, the step that
+updates: the gradients graph then gives the sums, which the update reads averaged); a run asking for an output
+neither half computes, or feeding a trained weight, runs the single graph.
+
+The numpy engine runs its steps as halves too when the flat update merges many small weights
+(:data:`NUMPY_MIN_MERGED`): its single graph updates them weight by weight, a dozen ufunc calls each, where
+the flat update makes that dozen for the whole group (the transformer encoder of the bench: 28 weights).
 
 ``HalfSteps`` holds the session methods for it; :class:`onnxtrain.session.TrainingSession` mixes it in.
 """
@@ -28,19 +33,29 @@ from onnxtrain.engine import ort_chunks
 from onnxtrain.graph_transforms.accumulation import buffer_name
 from onnxtrain.session_flat import FlatLegacyUpdate
 
+# on the numpy engine the single step graph already runs each weight's update nodes as one fused cluster; the
+# halves pay a second plan run and a gather of the merged gradients, so they take over only where the flat
+# update saves many clusters (about 13 ufunc calls each): the bench's transformer encoder (28 weights) gains,
+# LeNet (10) and the MLP (4) do not (bench/HISTORY.md, 2026-12-07 07:30 UTC)
+NUMPY_MIN_MERGED = 16
+
 
 class HalfSteps:
     """The two-graph step of ``TrainingSession`` (state: ``_graphs``, ``_store``, ``_specs``, ``_params``)."""
 
     def _steps_in_halves(self) -> bool:
-        """Whether a step runs as its two halves (see the module docstring): on the onnxruntime backend, in
-        one process, with an optimizer, unless ``ONNXTRAIN_ORT_PIECES=0`` (A/B runs); decided once, when
-        built (the update's plan is made here: over flat buffers when the step allows it,
+        """Whether a step runs as its two halves (see the module docstring), in one process, with an
+        optimizer, unless ``ONNXTRAIN_ORT_PIECES=0`` (A/B runs): on the onnxruntime backend; on the numpy
+        engine when the flat update merges :data:`NUMPY_MIN_MERGED` weights or more into one group. Decided
+        once, when built (the update's plan is made here: over flat buffers when the step allows it,
         :mod:`onnxtrain.session_flat`, else the per-weight graph's)."""
         self._flat = None
-        if self._backend == "numpy" or self._dp is not None or self._opt is None or ort_chunks.pieces_off():
+        if self._dp is not None or self._opt is None or ort_chunks.pieces_off():
             return False
-        self._flat = FlatLegacyUpdate.build(self)
+        numpy = self._backend == "numpy"
+        self._flat = FlatLegacyUpdate.build(self, NUMPY_MIN_MERGED if numpy else 2)
+        if numpy and self._flat is None:
+            return False
         if self._flat is not None:
             self._plans["flat_update"] = self._flat.plan  # (profiled and measured with the others)
         else:
@@ -84,6 +99,8 @@ class HalfSteps:
         """One training step as the gradients graph, then the update graph; the outputs ``names``
         (None when one of them is in neither half: the caller runs the single graph)."""
         g, store = self._graphs, self._store
+        if any(w in feeds for w in self._fed_weights):  # a trained weight overridden for this run
+            return None
         gp, flat = self._get_plan("gradients"), self._flat
         # the flat update, unless a run asks for an output of the update graph or the step counts differ
         if (flat is not None and flat.lr in feeds and all(n in gp.output_info for n in names)
@@ -109,8 +126,9 @@ class HalfSteps:
             reuse = self._grad_arrays or {n: np.zeros_like(store[w]) for n, w in zip(grad_names, g.trainable)}
             if self._flat is not None and not self._grad_arrays:  # straight into the flat gradients
                 reuse.update(self._flat.grad_targets())
+        kw = {} if self._backend == "numpy" else {"reuse": reuse}  # (the engine's kernels allocate them)
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
-                     donate=[s for s, _ in gitems if s in gfeeds and not empty], reuse=reuse)
+                     donate=[s for s, _ in gitems if s in gfeeds and not empty], **kw)
         got = dict(zip(local, res))
         grads = res[len(local):len(local) + len(grad_names)]
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
@@ -123,6 +141,9 @@ class HalfSteps:
         got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         by_weight = {f"{w}_grad": a for w, a in zip(g.trainable, grads)}  # the update's gradient inputs
         if up is None:
+            if self._backend == "numpy":  # nothing keeps them for the next step: each merged one dies once
+                del res  # gathered, before the update's intermediates (the GPT decoder's peak RSS)
+                grads = []
             flat.step(store, by_weight, feeds[flat.lr])
             return self._after_update(got, names, grad_names, grads)
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
@@ -142,6 +163,6 @@ class HalfSteps:
         for b in self._graphs.buffers:
             self._store[b] = np.zeros_like(self._store[b])
         self._micro_step = 0
-        if self._params.gradient_accumulation_steps == 1:
+        if self._params.gradient_accumulation_steps == 1 and self._backend != "numpy":
             self._grad_arrays = dict(zip(grad_names, grads))
         return [got[n] for n in names]

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 import onnxtrain
-from onnxtrain import session_flat
+from onnxtrain import session_flat, session_halves
 from tests.session.helpers import mlp_model, params
 
 pytest.importorskip("onnxruntime")
@@ -77,7 +77,7 @@ ADAM_MAPS = {  # the weights fall into two attribute sets: W1 and b1, W2 and b2
 }
 
 
-@pytest.mark.parametrize("opt,maps,kw,groups", [
+STEP_CASES = [
     ("AdamOptimizer", None, {}, [4]),
     ("AdamOptimizer", ADAM_MAPS["AdamOptimizer"], {}, [2, 2]),
     ("AdamOptimizer", {"optimizer_int_attributes_map": {w: {"do_bias_correction": 0}
@@ -93,9 +93,13 @@ ADAM_MAPS = {  # the weights fall into two attribute sets: W1 and b1, W2 and b2
     ("AdamOptimizer", None, {"gradient_accumulation_steps": 3}, [4]),
     ("AdamOptimizer", None, {"gradient_accumulation_steps": 2, "gradient_accumulation_mode": "auto",
                              "enable_grad_norm_clip": True}, [4]),
-], ids=["adam", "adam-two-attribute-sets", "adam-no-bias-correction", "adam-fp16-moments", "sgd",
-        "adam-clipped", "adam-clipped-two-max-norms", "adam-clipped-cpu-kernel", "sgd-clip-flag",
-        "adam-accumulating-3", "adam-accumulating-2-auto-clipped"])
+]
+STEP_IDS = ["adam", "adam-two-attribute-sets", "adam-no-bias-correction", "adam-fp16-moments", "sgd",
+            "adam-clipped", "adam-clipped-two-max-norms", "adam-clipped-cpu-kernel", "sgd-clip-flag",
+            "adam-accumulating-3", "adam-accumulating-2-auto-clipped"]
+
+
+@pytest.mark.parametrize("opt,maps,kw,groups", STEP_CASES, ids=STEP_IDS)
 def test_the_flat_update_steps_as_the_per_weight_graph(opt: str, maps: dict | None, kw: dict,
                                                        groups: list[int]) -> None:
     flat = _session("onnxruntime", opt, maps=maps, **kw)
@@ -215,9 +219,102 @@ def test_steps_the_flat_update_does_not_take(opt: str, kw: dict) -> None:
     assert sess._halves and sess._flat is None
 
 
-def test_the_numpy_engine_keeps_its_single_step_graph() -> None:
-    sess = _session("numpy", "AdamOptimizer")
-    assert not sess._halves and sess._flat is None
+def test_the_numpy_engine_keeps_its_single_step_graph_for_few_merged_weights() -> None:
+    sess = _session("numpy", "AdamOptimizer")  # 4 weights: under NUMPY_MIN_MERGED
+    assert not sess._halves and sess._flat is None and "full" in sess._plans
+
+
+@pytest.mark.parametrize("opt,maps,kw,groups", STEP_CASES, ids=STEP_IDS)
+def test_the_numpy_engine_steps_in_halves_as_its_single_graph(monkeypatch, opt: str, maps: dict | None,
+                                                              kw: dict, groups: list[int]) -> None:
+    """With many merged weights the numpy engine runs the gradients graph and the flat update: the same bits
+    as its single step graph (``onnxtrain.flat_update = "0"``), step by step, losses, logits and state."""
+    monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)
+    halves = _session("numpy", opt, maps=maps, **kw)
+    assert halves._halves and [len(g.weights) for g in halves._flat.groups] == groups
+    single = _session("numpy", opt, flat="0", maps=maps, **kw)
+    assert not single._halves and single._flat is None
+    got = _train(halves, 6)
+    _same(halves, single, got, _train(single, 6))
+    assert "full" not in halves._plans and "update" not in halves._plans  # neither was needed
+    assert got[-1][0] != got[0][0]  # it trained
+
+
+def _deep_mlp(layers: int) -> onnx.ModelProto:
+    """x[N, 6] → (Gemm 6×6, Relu) × layers → Gemm 6×3 → SoftmaxCrossEntropyLoss: 2·layers + 2 weights (W0
+    also declared as a graph input: a feed may override it)."""
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(8)
+    inits, nodes, h = [], [], "x"
+    for i in range(layers + 1):
+        dout = 3 if i == layers else 6
+        inits += [numpy_helper.from_array((rng.standard_normal((dout, 6)) * 0.5).astype(np.float32), f"W{i}"),
+                  numpy_helper.from_array((rng.standard_normal(dout) * 0.1).astype(np.float32), f"b{i}")]
+        nodes.append(helper.make_node("Gemm", [h, f"W{i}", f"b{i}"], [f"g{i}"], transB=1))
+        h = f"g{i}"
+        if i < layers:
+            nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
+            h = f"r{i}"
+    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", [h, "y"], ["loss"]))
+    g = helper.make_graph(nodes, "deep_mlp", [helper.make_tensor_value_info("x", T.FLOAT, ["N", 6]),
+                                              helper.make_tensor_value_info("y", T.INT64, ["N"]),
+                                              helper.make_tensor_value_info("W0", T.FLOAT, [6, 6])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _deep_session(flat: str = "1", **kw) -> onnxtrain.TrainingSession:
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.flat_update", flat)
+    p = params("AdamOptimizer", **{"enable_grad_norm_clip": False, **kw})
+    return onnxtrain.TrainingSession(_deep_mlp(8).SerializeToString(), p, so)  # 18 weights
+
+
+def _deep_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal((5, 6)).astype(np.float32), "y": rng.integers(0, 3, 5).astype(np.int64),
+            "Learning_Rate": np.array([0.02], np.float32)}
+
+
+def test_the_numpy_engine_steps_in_halves_with_many_small_weights() -> None:
+    halves, single = _deep_session(), _deep_session(flat="0")
+    assert session_halves.NUMPY_MIN_MERGED <= 18
+    assert halves._halves and [len(g.weights) for g in halves._flat.groups] == [18]
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        feeds = _deep_feeds(rng)
+        np.testing.assert_array_equal(halves.run(["loss"], feeds)[0], single.run(["loss"], feeds)[0])
+    _same(halves, single, [], [])
+
+
+def test_a_numpy_run_feeding_a_trained_weight_runs_the_single_graph() -> None:
+    """onnxruntime 1.16.3's override of a trained weight by a feed (the run computes with the fed value, the
+    weight stays, its moments are updated) holds where the numpy engine steps in halves: that run takes the
+    single graph, and the next steps the halves again, on the same state."""
+    halves, single = _deep_session(), _deep_session(flat="0")
+    assert halves._halves and "W0" in halves._fed_weights
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        feeds = _deep_feeds(rng)
+        if step == 1:
+            feeds["W0"] = np.full((6, 6), 0.25, np.float32)
+        np.testing.assert_array_equal(halves.run(["loss"], feeds)[0], single.run(["loss"], feeds)[0])
+    assert "full" in halves._plans
+    _same(halves, single, [], [])
+
+
+def test_numpy_halves_fetch_gradients_and_the_norm() -> None:
+    kw = {"set_gradients_as_graph_outputs": True, "enable_grad_norm_clip": True}
+    halves, single = _deep_session(**kw), _deep_session(flat="0", **kw)
+    assert halves._halves
+    rng = np.random.default_rng(2)
+    for step in range(4):
+        fetch = ["loss", "W0_grad", "b8_grad"] + (["global_gradient_norm"] if step == 2 else [])
+        feeds = _deep_feeds(rng)
+        for name, a, b in zip(fetch, halves.run(fetch, feeds), single.run(fetch, feeds)):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    _same(halves, single, [], [])
 
 
 def test_a_bad_flat_update_entry_is_named() -> None:
