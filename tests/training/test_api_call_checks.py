@@ -188,3 +188,49 @@ def test_mixed_ortvalue_and_array_inputs(setup):
     assert type(m(x, OrtValue.ortvalue_from_numpy(y))) is np.ndarray
     assert type(m(OrtValue.ortvalue_from_numpy(x), y)) is np.ndarray
     assert isinstance(m(OrtValue.ortvalue_from_numpy(x), OrtValue.ortvalue_from_numpy(y)), OrtValue)
+
+
+def test_unshared_copies_the_state_arrays_and_their_views_only():
+    """``_unshared``: an output that is a parameter's value or gradient array, or a view of one, becomes a
+    copy; an array of its own is kept as it is (so is a non-array)."""
+    from onnxtrain.training.api.checkpoint_state import _Param
+    from onnxtrain.training.api.module import _unshared
+
+    params = [_Param("a", F32, True, np.ones((2, 3), np.float32), np.full((2, 3), 2, np.float32)),
+              _Param("b", F32, False, np.zeros(4, np.float32))]
+    fresh = np.full(3, 7, np.float32)
+    outs = [params[0].data, fresh, params[0].grad[1], params[1].data, params[0].grad, "text"]
+    got = _unshared(list(outs), params)
+    assert got[1] is fresh and got[5] == "text"
+    for k in (0, 2, 3, 4):
+        assert got[k] is not outs[k] and np.array_equal(got[k], outs[k]), k
+        assert not any(np.shares_memory(got[k], a) for p in params for a in (p.data, p.grad) if a is not None)
+    assert _unshared([fresh], []) == [fresh] and _unshared([], params) == []
+
+
+def test_an_identity_of_a_weight_is_an_array_of_its_own(tmp_path):
+    """A model whose extra output is Identity(P): in training and eval mode not P's array, nor changed by the
+    next update."""
+    from onnx import helper
+
+    from onnxtrain.training.api import Optimizer
+    from tests.training.test_module_outputs_unshared import _model_of
+    from tests.training.test_module_outputs_unshared import _module as module_of
+
+    nodes = [helper.make_node("Gemm", ["x", "P"], ["logits"], transB=1),
+             helper.make_node("Identity", ["P"], ["same"])]
+    state, module = module_of(_model_of(nodes, ["N", 4], {"logits": ["N", 3], "same": [3, 4]}), tmp_path,
+                              ["same"])
+    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.5)
+    x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
+    before = state.parameters["P"].data.copy()
+    same = module(x, y)[1]
+    module.eval()
+    eval_same = module(x, y)[1]
+    opt.step()
+    after = state.parameters["P"].data
+    assert not np.array_equal(after, before)
+    for out in (same, eval_same):
+        assert not np.shares_memory(out, after)
+        np.testing.assert_array_equal(out, before)
