@@ -27,8 +27,11 @@ class Body:
     """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
 
     def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, fuse: bool, where: str,
-                 outer_types: Mapping[str, str] | None = None):
-        """``outer_types``: the types of the enclosing graphs' values, for the check of the body's nodes."""
+                 outer_types: Mapping[str, str] | None = None,
+                 deciding: Mapping[str, tuple[bool, bool]] | None = None):
+        """``outer_types``: the types of the enclosing graphs' values, for the check of the body's nodes;
+        ``deciding``: the body's outputs whose values decide a discrete result after the node (exact
+        rounding's sinks)."""
         from onnxtrain.engine.plan import EngineError, Plan
 
         self.where = where
@@ -40,7 +43,8 @@ class Body:
         body.input.extend(onnx.ValueInfoProto(name=n) for n in self.captures)
         wrapper = helper.make_model(body, opset_imports=model.opset_import, ir_version=model.ir_version)
         try:
-            self.plan: Plan = Plan(wrapper, threads=threads, fuse=fuse, outer_types=outer_types)
+            self.plan: Plan = Plan(wrapper, threads=threads, fuse=fuse, outer_types=outer_types,
+                                   deciding_outputs=deciding)
         except EngineError as e:
             raise type(e)(f"{where}: {e}") from None
         self.input_names = [v.name for v in graph.input]
@@ -518,9 +522,12 @@ _KINDS: dict[str, tuple[type[ControlFlow], tuple[str, ...]]] = {
 
 
 def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: int, threads: int,
-                         fuse: bool, outer_types: Mapping[str, str] | None = None) -> ControlFlow:
+                         fuse: bool, outer_types: Mapping[str, str] | None = None,
+                         deciding: Mapping[str, Mapping[str, tuple[bool, bool]]] | None = None
+                         ) -> ControlFlow:
     """The kernel of a control-flow node, its bodies compiled (with the plan's ``threads`` and ``fuse``, their
-    nodes checked with the types ``outer_types`` of the values they may read from outside); its
+    nodes checked with the types ``outer_types`` of the values they may read from outside, each with its
+    outputs of ``deciding``, by body name: see :func:`~onnxtrain.engine.exact_rounding.body_sinks`); its
     ``captures`` name the outer values to pass after the node's inputs."""
     from onnxtrain.engine.plan import EngineError, UnsupportedOpError
 
@@ -534,7 +541,8 @@ def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: in
     missing = [n for n in names if n not in graphs]
     if missing:
         raise EngineError(f"{where}: attribute(s) {missing} missing")
-    bodies = {n: Body(graphs[n], model, threads, fuse, f"{where}, {n}", outer_types) for n in names}
+    bodies = {n: Body(graphs[n], model, threads, fuse, f"{where}, {n}", outer_types, (deciding or {}).get(n))
+              for n in names}
     n_out = len(node.output)
     for n, b in bodies.items():
         given = len(b.outputs) - (1 if node.op_type == "Loop" else 0)

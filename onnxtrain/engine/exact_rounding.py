@@ -41,16 +41,21 @@ the same in both.
 
 The walk follows a value into the bodies of :data:`BODIES` steps (read from the ONNX graphs, not the bodies'
 plans): a value a body captures, a Loop's carried value (around the loop too: a state output is the next
-iteration's input), a Scan's input, and through the bodies' outputs to the steps after the node. It does
-not follow a source inside a body whose result leaves the body or goes around a Loop: the body's plan is
-built, marked and fused before the outer graph is walked, and only knows its own steps (telling it which of
-its outputs decide would take the plan's build, not this module: walk the outer graph first, then build
-each body with its deciding outputs marked as sinks).
+iteration's input), a Scan's input, and through the bodies' outputs to the steps after the node. A source
+inside a body whose result leaves it (or goes around a Loop) is found the other way round: before a plan
+builds its control-flow steps' bodies, :func:`body_sinks` walks its ONNX graph (its own deciding outputs, if
+it is a body, as sinks) and gives each body the outputs that decide after the node or in a later iteration,
+which the body's plan marks as sinks of its own walk, and so on down nested bodies. A nested control-flow
+node is read at the model's opset (Scan-8's inputs start with the sequence lengths).
+
+MaxPool passes its values output on as :data:`SIGN_KEEPING` steps do (a max of each window); its Indices
+output, when the node has one, is an argmax over each window, so a source that reaches MaxPool's input
+decides then, as before a :data:`SELECTING` step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +75,9 @@ UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "S
 # -6 down, where the value is a negative normal float), so a test of their sign decides
 FORMULA_SOURCES = frozenset({"Sigmoid", "Erf", "Softplus", "Elu", "Selu", "Celu", "Mish", "Gelu"})
 SOURCES = UFUNC_SOURCES | FORMULA_SOURCES
+# sources whose float32 results have the float64 route's signs and zeros: a sign test of their values decides
+# nothing (see deciding_sources)
+SIGN_EXACT_SOURCES = UFUNC_SOURCES
 # float32 formulas of IEEE arithmetic only (the same bits on any host): not sources, but continuous in their
 # input, so a source's one-ulp error passes through them to a decision; not sign-keeping (LeakyRelu's α·x of a
 # tiny negative value may round to -0.0)
@@ -124,12 +132,21 @@ def zero_slots(steps: Sequence[RawStep], constants: dict[int, Any]) -> set[int]:
     return zeros
 
 
-def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general: list[bool],
-           signed: list[bool], r: int, memo: dict) -> bool:
-    """Whether ``value`` read by ``step`` (index ``r``) decides a discrete result: ``exact_sign`` when the
-    value has its correctly rounded sign; ``general``/``signed``: the same for ``r``'s outputs; ``memo``:
-    the bodies looked into so far."""
-    node, attrs, ins = step[0], step[2], step[3]
+_NO: tuple[bool, bool] = (False, False)
+Reach = tuple[bool, bool]  # (general, signed): a value decides; it does with its correctly rounded sign
+
+
+def _any(pairs: Sequence[Reach]) -> Reach:
+    """(general, signed) of values read together: either decides."""
+    return any(p[0] for p in pairs), any(p[1] for p in pairs)
+
+
+def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], reach: dict[int, Reach], memo: dict
+           ) -> bool:
+    """Whether ``value`` read by ``step`` decides a discrete result: ``exact_sign`` when the value has its
+    correctly rounded sign; ``reach``: (general, signed) of the slots the walk has passed; ``memo``: the
+    bodies looked into so far."""
+    node, attrs, ins, outs = step[0], step[2], step[3], step[4]
     op = node.op_type
     if node.domain not in ("", "ai.onnx"):
         return False
@@ -138,58 +155,60 @@ def _reach(step: RawStep, value: int, exact_sign: bool, zeros: set[int], general
     if op in COMPARING:
         tests_sign = op == "Sign" or any(s in zeros for s in ins if s != value)
         return not (exact_sign and tests_sign)
+    after = [reach.get(o, _NO) if o >= 0 else _NO for o in outs]
+    general, signed = _any(after)
+    if op == "MaxPool":
+        # its Indices output is an argmax over each window; its values, a max (sign-keeping)
+        if len(outs) > 1 and outs[1] >= 0 and ins and ins[0] == value:
+            return True
+        return after[0][1] if exact_sign else after[0][0]
     if op == "Cast":
         to = attrs.get("to")  # as the plan parsed it
         if to not in _FLOAT_TYPES:
             return True
         # float16, bfloat16: two float32 neighbours can round to 0 and to the type's smallest step
-        return signed[r] if exact_sign and to in _KEEPING_FLOATS else general[r]
+        return signed if exact_sign and to in _KEEPING_FLOATS else general
     if op in SIGN_KEEPING:
-        return signed[r] if exact_sign else general[r]
+        return signed if exact_sign else general
     if op in BODIES:
-        return _into_bodies(step, value, exact_sign, (general[r], signed[r]), zeros, memo)
-    return general[r] if op in CONTINUOUS else False
+        return _into_bodies(step, value, exact_sign, tuple(after), zeros, memo)
+    return general if op in CONTINUOUS else False
 
 
-def _walk_back(steps: Sequence[RawStep], zeros: set[int], memo: dict, fixed: dict[int, tuple[bool, bool]]
-               ) -> tuple[list[bool], list[bool], dict[int, list[int]]]:
-    """Per step, whether its outputs reach a discrete result (``general``) and whether they do when they
-    have the correctly rounded sign (``signed``); ``fixed``: those two given for some steps (a body's
-    outputs); and the readers of each slot."""
+def _slot_reach(steps: Sequence[RawStep], slot: int, zeros: set[int], reach: dict[int, Reach],
+                readers: dict[int, list[int]], sinks: dict[int, Reach], memo: dict) -> Reach:
+    """(general, signed) of ``slot``: what its readers in ``steps`` decide, or ``sinks`` says for it (what
+    reads it outside ``steps``)."""
+    rs = readers.get(slot, ())
+    sink = sinks.get(slot, _NO)
+    hit = sink[0] or any(_reach(steps[r], slot, False, zeros, reach, memo) for r in rs)
+    return hit, hit and (sink[1] or any(_reach(steps[r], slot, True, zeros, reach, memo) for r in rs))
+
+
+def _walk_back(steps: Sequence[RawStep], zeros: set[int], memo: dict, sinks: dict[int, Reach]
+               ) -> tuple[dict[int, Reach], dict[int, list[int]]]:
+    """(general, signed) of each slot a step makes: whether it reaches a discrete result, and whether it
+    does when it has the correctly rounded sign; ``sinks``: the same for values read outside ``steps`` (a
+    body's outputs); and the readers of each slot."""
     readers: dict[int, list[int]] = {}
     for k, (_, _, _, ins, _) in enumerate(steps):
         for s in ins:
             if s >= 0:
                 readers.setdefault(s, []).append(k)
     # a step reads only earlier steps' outputs, so walking back from the last step finds each reader decided
-    general = [False] * len(steps)
-    signed = [False] * len(steps)
+    reach: dict[int, Reach] = {}
     for k in range(len(steps) - 1, -1, -1):
-        if k in fixed:
-            general[k], signed[k] = fixed[k]
-            continue
-        pairs = [(s, r) for s in steps[k][4] for r in readers.get(s, ())]
-        general[k] = any(_reach(steps[r], s, False, zeros, general, signed, r, memo) for s, r in pairs)
-        signed[k] = general[k] and any(_reach(steps[r], s, True, zeros, general, signed, r, memo)
-                                       for s, r in pairs)
-    return general, signed, readers
+        for s in steps[k][4]:
+            if s >= 0:
+                reach[s] = _slot_reach(steps, s, zeros, reach, readers, sinks, memo)
+    return reach, readers
 
 
-def _slot_reach(steps: Sequence[RawStep], slot: int, zeros: set[int], walked: tuple, memo: dict
-                ) -> tuple[bool, bool]:
-    """(general, signed) of a slot no step makes (a graph's input, a captured value), from ``walked``:
-    :func:`_walk_back`'s result."""
-    general, signed, readers = walked
-    rs = readers.get(slot, ())
-    hit = any(_reach(steps[r], slot, False, zeros, general, signed, r, memo) for r in rs)
-    return hit, hit and any(_reach(steps[r], slot, True, zeros, general, signed, r, memo) for r in rs)
-
-
-def _into_bodies(step: RawStep, value: int, exact_sign: bool, after: tuple[bool, bool], zeros: set[int],
+def _into_bodies(step: RawStep, value: int, exact_sign: bool, after: tuple[Reach, ...], zeros: set[int],
                  memo: dict) -> bool:
     """Whether ``value``, passed by the control-flow ``step`` into its bodies (a Loop's carried value, a
     Scan's input, a value a body captures), decides a discrete result in a body or, through the node's
-    outputs, after it (``after``: the node's outputs' (general, signed))."""
+    outputs, after it (``after``: each node output's (general, signed))."""
     node, fn, attrs, ins = step[0], step[1], step[2], step[3]
     opset = getattr(attrs, "opset", 0) or onnx.defs.onnx_opset_version()
     captured = getattr(fn, "captures", None)
@@ -204,9 +223,9 @@ def _into_bodies(step: RawStep, value: int, exact_sign: bool, after: tuple[bool,
             body = _body_reach(g, node, opset, after, zero_names, memo)
             if p < n:
                 i = _body_input_index(node, p, opset)
-                hit = body[0][i] if i is not None and i < len(body[0]) else (False, False)
+                hit = body[0][i] if i is not None and i < len(body[0]) else _NO
             else:
-                hit = body[1].get(captured[p - n], (False, False))
+                hit = body[1].get(captured[p - n], _NO)
             if hit[1 if exact_sign else 0]:
                 return True
     return False
@@ -224,6 +243,13 @@ def _body_input_index(node: onnx.NodeProto, p: int, opset: int) -> int | None:
     return None
 
 
+def _body_output_index(node: onnx.NodeProto, j: int) -> int | None:
+    """The node output that the body's output ``j`` becomes (None for a Loop's condition)."""
+    if node.op_type == "Loop":
+        return j - 1 if j >= 1 else None
+    return j
+
+
 def _carried(node: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> list[tuple[int, int]]:
     """(body output, body input) pairs of a Loop's or Scan's state: the output is the next iteration's
     input."""
@@ -236,16 +262,10 @@ def _carried(node: onnx.NodeProto, graph: onnx.GraphProto, opset: int) -> list[t
     return []
 
 
-def _body_reach(graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, after: tuple[bool, bool],
-                zero_names: frozenset[str], memo: dict
-                ) -> tuple[list[tuple[bool, bool]], dict[str, tuple[bool, bool]]]:
-    """(general, signed) of each input of the body ``graph`` of ``node`` and of each value it captures,
-    its outputs reaching ``after`` (a state output also what its next iteration's input reaches);
-    ``zero_names``: the captured values that are constant zeros."""
-    key = (id(graph), after, zero_names)
-    kept = memo.get(key)
-    if kept is not None and kept[0] is graph:
-        return kept[1]
+def _graph_steps(graph: onnx.GraphProto, opset: int) -> tuple[list[RawStep], dict[str, int]]:
+    """The raw steps of ``graph``'s nodes as the walk reads them (no kernels; the attributes parsed at
+    ``opset``, which a control-flow node's bodies are read at), and the slot of each name (its inputs
+    first)."""
     slots: dict[str, int] = {}
     for v in graph.input:
         slots.setdefault(v.name, len(slots))
@@ -255,50 +275,116 @@ def _body_reach(graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, after:
         ins += [slots.setdefault(x, len(slots)) for x in body_reads(nd)]
         outs = [slots.setdefault(x, len(slots)) if x else -1 for x in nd.output]
         try:
-            attrs = parse_attributes(nd, opset)
+            values = parse_attributes(nd, opset)
         except Exception:  # an op of another domain, or none ONNX knows: the walk stops there anyway
-            attrs = {}
-        steps.append((nd, None, attrs, ins, outs))
-    first_sink = len(steps)  # one Identity per body output, standing for what reads it after the node
-    for v in graph.output:
-        steps.append((onnx.helper.make_node("Identity", [v.name], []), None, {},
-                      [slots.setdefault(v.name, len(slots))], []))
+            values = {}
+        steps.append((nd, None, Attrs(values, nd.op_type, nd.name, opset), ins, outs))
+    return steps, slots
+
+
+def _graph_zeros(graph: onnx.GraphProto, steps: Sequence[RawStep], slots: dict[str, int],
+                 zero_names: frozenset[str] | set[str]) -> set[int]:
+    """The slots of ``graph`` holding constant zeros: its small initializers', its Constants' and those of
+    ``zero_names``."""
     constants = {slots[t.name]: onnx.numpy_helper.to_array(t) for t in graph.initializer
                  if t.name in slots and 0 < np.prod(t.dims) <= _ZERO_TEST_MAX}
-    zeros = zero_slots(steps[:first_sink], constants) | {slots[z] for z in zero_names if z in slots}
-    fixed = {first_sink + j: after for j in range(len(graph.output))}
+    return zero_slots(steps, constants) | {slots[z] for z in zero_names if z in slots}
+
+
+def _body_reach(graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, after: tuple[Reach, ...],
+                zero_names: frozenset[str], memo: dict
+                ) -> tuple[list[Reach], dict[str, Reach], list[Reach]]:
+    """(general, signed) of each input of the body ``graph`` of ``node``, of each value it captures and of
+    each of its outputs, its outputs reaching ``after`` (the node's outputs'), a state output also what its
+    next iteration's input reaches; ``zero_names``: the captured values that are constant zeros."""
+    key = (id(graph), after, zero_names)
+    kept = memo.get(key)
+    if kept is not None and kept[0] is graph:
+        return kept[1]
+    steps, slots = _graph_steps(graph, opset)
+    for v in graph.output:
+        slots.setdefault(v.name, len(slots))
+    zeros = _graph_zeros(graph, steps, slots, zero_names)
+    out_slots = [slots[v.name] for v in graph.output]
+    sinks: dict[int, Reach] = {}
+    for j, s in enumerate(out_slots):
+        i = _body_output_index(node, j)
+        if i is not None and i < len(after):
+            sinks[s] = _any([sinks.get(s, _NO), after[i]])
     inputs = [slots[v.name] for v in graph.input]
     while True:
-        walked = _walk_back(steps, zeros, memo, fixed)
-        reach_in = [_slot_reach(steps, s, zeros, walked, memo) for s in inputs]
+        reach, readers = _walk_back(steps, zeros, memo, sinks)
+        reach_in = [_slot_reach(steps, s, zeros, reach, readers, sinks, memo) for s in inputs]
         changed = False
         for o, i in _carried(node, graph, opset):
-            if o < len(graph.output) and i < len(reach_in):
-                was = fixed[first_sink + o]
-                now = (was[0] or reach_in[i][0], was[1] or reach_in[i][1])
+            if o < len(out_slots) and i < len(reach_in):
+                was = sinks.get(out_slots[o], _NO)
+                now = _any([was, reach_in[i]])
                 changed |= now != was
-                fixed[first_sink + o] = now
+                sinks[out_slots[o]] = now
         if not changed:
             break
-    free = {name: _slot_reach(steps, slots[name], zeros, walked, memo) for name in captured_names(graph)
-            if name in slots}
-    result = (reach_in, free)
+    free = {name: _slot_reach(steps, slots[name], zeros, reach, readers, sinks, memo)
+            for name in captured_names(graph) if name in slots}
+    outs = [sinks.get(s, _NO) for s in out_slots]
+    result = (reach_in, free, outs)
     memo[key] = (graph, result)
     return result
 
 
-def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset()) -> set[int]:
+def body_sinks(graph: onnx.GraphProto, opset: int, deciding: Mapping[str, Reach],
+               constants: Mapping[str, Any]) -> dict[int, dict[str, dict[str, Reach]]]:
+    """Per control-flow node of ``graph`` (by index), per body (by attribute name), the body's outputs that
+    decide a discrete result after the node or, carried, in a later iteration (by name: their (general,
+    signed)), for the plan to build the body with (``deciding`` of its own outputs). ``deciding``: the
+    same for ``graph``'s outputs; ``constants``: its initializers' values by name (a feed may not
+    override them)."""
+    flows = [k for k, nd in enumerate(graph.node) if nd.op_type in BODIES and nd.domain in ("", "ai.onnx")]
+    if not flows:
+        return {}
+    steps, slots = _graph_steps(graph, opset)
+    sinks: dict[int, Reach] = {}
+    for name, r in deciding.items():
+        if name in slots:
+            sinks[slots[name]] = _any([sinks.get(slots[name], _NO), r])
+    zeros = zero_slots(steps, {slots[n]: v for n, v in constants.items() if n in slots})
+    memo: dict = {}
+    reach, _ = _walk_back(steps, zeros, memo, sinks)
+    found: dict[int, dict[str, dict[str, Reach]]] = {}
+    for k in flows:
+        nd, _, attrs, ins, outs = steps[k]
+        after = tuple(reach.get(o, _NO) if o >= 0 else _NO for o in outs)
+        captured = body_reads(nd)
+        n = len(nd.input)
+        zero_names = frozenset(captured[p - n] for p in range(n, len(ins)) if ins[p] in zeros)
+        for a in nd.attribute:
+            if a.type != onnx.AttributeProto.GRAPH:
+                continue
+            outs_reach = _body_reach(a.g, nd, opset, after, zero_names, memo)[2]
+            named = {v.name: r for v, r in zip(a.g.output, outs_reach) if r[0]}
+            if named:
+                found.setdefault(k, {})[a.name] = named
+    return found
+
+
+def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset(),
+                     sinks: Mapping[int, Reach] | None = None) -> set[int]:
     """Indices of the :data:`SOURCES` steps whose outputs reach a :data:`ROUNDING` step, a Cast to a
     non-float type, a :data:`COMPARING` or a :data:`SELECTING` step through :data:`CONTINUOUS` steps and
     into the bodies of :data:`BODIES` steps, but for comparisons with a constant of ``zeros`` (and ``Sign``)
-    of values that passed :data:`SIGN_KEEPING` steps only."""
+    of values that passed :data:`SIGN_KEEPING` steps only; ``sinks``: the slots read after ``steps`` (a
+    body's outputs) that decide, as (general, signed)."""
     if not any(node.op_type in SOURCES for node, *_rest in steps):
         return set()
-    general, signed, _ = _walk_back(steps, zeros, {}, {})
+    reach, _ = _walk_back(steps, zeros, {}, dict(sinks or {}))
+
+    def of(k: int) -> Reach:
+        return _any([reach.get(o, _NO) for o in steps[k][4] if o >= 0])
+
     # a source decides when its outputs do with their correctly rounded signs (a formula's float32 zeros
     # are not those: any reach counts)
     deciding = [k for k, (node, *_rest) in enumerate(steps) if node.domain in ("", "ai.onnx") and (
-        signed[k] if node.op_type in UFUNC_SOURCES else node.op_type in FORMULA_SOURCES and general[k])]
+        of(k)[1] if node.op_type in SIGN_EXACT_SOURCES else node.op_type in SOURCES and of(k)[0])]
     if not deciding:
         return set()
     sources = [k for k, (node, *_rest) in enumerate(steps)
@@ -352,10 +438,12 @@ def rounded_once(fn: Kernel, wide: Kernel | None = None) -> Kernel:
     return _WRAPPERS.setdefault((fn, wide), run)
 
 
-def round_deciding_steps(steps: list[RawStep], constants: dict[int, Any]) -> list[RawStep]:
+def round_deciding_steps(steps: list[RawStep], constants: dict[int, Any],
+                         sinks: Mapping[int, tuple[bool, bool]] | None = None) -> list[RawStep]:
     """``steps`` with the kernel of each :func:`deciding_sources` step wrapped by :func:`rounded_once`;
-    ``constants``: the initializers' values by slot."""
-    marked = deciding_sources(steps, zero_slots(steps, constants))
+    ``constants``: the initializers' values by slot; ``sinks``: the outputs that decide after them (a
+    body's, by slot: see :func:`body_sinks`)."""
+    marked = deciding_sources(steps, zero_slots(steps, constants), sinks)
     return [(node, rounded_once(fn, FLOAT64_KERNELS.get(node.op_type)), attrs, ins, outs) if k in marked
             else (node, fn, attrs, ins, outs) for k, (node, fn, attrs, ins, outs) in enumerate(steps)]
 

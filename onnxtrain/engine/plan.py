@@ -23,7 +23,7 @@ from onnxtrain.engine.affinity import caller_cpu, placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_now, donated_slots, donating, reusable_inputs
-from onnxtrain.engine.exact_rounding import round_deciding_steps
+from onnxtrain.engine.exact_rounding import body_sinks, round_deciding_steps
 from onnxtrain.engine.failure_classes import node_failure_class
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
     MAX_PROFILE_EVENTS,
@@ -107,6 +107,7 @@ class Plan(GraphInterface):
         initializers: Mapping[str, np.ndarray] | None = None,
         random_state: dict[Any, dict[Any, Any]] | None = None,
         outer_types: Mapping[str, str] | None = None,
+        deciding_outputs: Mapping[str, tuple[bool, bool]] | None = None,
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``). ``threads``: how many threads a kernel may split its
@@ -115,7 +116,8 @@ class Plan(GraphInterface):
         ``random_state``: where the random nodes (Dropout, RandomNormal, ...) keep their generators, by node
         name, shared by the plans of one session, so that a node in two graphs that run in turn (the
         micro-steps and the update step of gradient accumulation) draws one sequence, not the same draws
-        twice."""
+        twice. ``deciding_outputs``: a body's outputs whose values decide a discrete result after its node
+        (:func:`~onnxtrain.engine.exact_rounding.body_sinks`)."""
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
@@ -158,13 +160,14 @@ class Plan(GraphInterface):
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         domain_opsets = {o.domain: o.version for o in model.opset_import}
         declared: dict[str, str] | None = None  # the value types the graph declares, read when first needed
+        flow_sinks = self._flow_sinks(g, deciding_outputs)
         for k, node in enumerate(g.node):
             in_names, out_names = tuple(node.input), tuple(node.output)
             if checker is not None and checker.invalid(node, in_names, out_names):
                 check_nodes(model, outer_types)  # raises, naming every invalid node (bodies: their plans)
             if node.op_type in SUBGRAPH_OPS and node.domain in DEFAULT_DOMAINS:
                 fn = compile_control_flow(node, model, self.opset, self.threads, self.fused,
-                                          checker.types if checker is not None else None)
+                                          checker.types if checker is not None else None, flow_sinks.get(k))
                 captures[k] = fn.captures
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)
@@ -206,7 +209,8 @@ class Plan(GraphInterface):
         self._check_produced(raw_steps, slot, g, init_names)
         fed = set(self.all_input_names)  # an initializer a feed may override is no constant
         raw_steps = round_deciding_steps(
-            raw_steps, {slot[n]: v for n, v in self.initializers.items() if n not in fed})
+            raw_steps, {slot[n]: v for n, v in self.initializers.items() if n not in fed},
+            {slot[n]: r for n, r in (deciding_outputs or {}).items() if n in slot})
         self.slot = slot
         self.n_slots = len(slot)
         self.steps = [
@@ -228,6 +232,16 @@ class Plan(GraphInterface):
         self._assign_frees()
         self._reusable = self._offer_reuse()
         self._bodies = any(isinstance(st.fn, ControlFlow) for st in self.steps)
+
+    def _flow_sinks(self, g: onnx.GraphProto, deciding_outputs: Mapping[str, tuple[bool, bool]] | None
+                    ) -> dict[int, dict[str, dict[str, tuple[bool, bool]]]]:
+        """Per control-flow node, its bodies' outputs that decide a discrete result (see
+        :func:`~onnxtrain.engine.exact_rounding.body_sinks`), found before the bodies are built."""
+        if not any(n.op_type in SUBGRAPH_OPS for n in g.node):
+            return {}
+        fed = set(self.all_input_names)
+        return body_sinks(g, self.opset, deciding_outputs or {},
+                          {n: v for n, v in self.initializers.items() if n not in fed})
 
     def _check_produced(self, raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]],
                         slot: Mapping[str, int], g: onnx.GraphProto, init_names: set[str]) -> None:
