@@ -12,7 +12,7 @@ non-float type, a :data:`COMPARING` step or a :data:`SELECTING` step through :da
 kernel that computes float32 inputs in float64 and rounds once (the correctly rounded float32 but for
 double-rounding ties, about one value in 2**29). numpy's loops keep the correctly rounded value's sign and
 zeros, so a ``Sign`` or a comparison with a constant 0 of a value that passed only :data:`SIGN_KEEPING` steps
-since a :data:`UFUNC_SOURCES` step (a ReLU, Abs or LeakyRelu gradient's mask of a Tanh's output) decides
+since a :data:`SIGN_EXACT_SOURCES` step (a ReLU, Abs or LeakyRelu gradient's mask of a Tanh's output) decides
 nothing. The float64 route costs 3x (Exp) to 30x (Tanh) the float32 ufunc; the steps it marks compute
 indices (position buckets, counts).
 
@@ -22,10 +22,12 @@ loaded host): Sigmoid, 1 / (1 + exp(-x)) (44 %, up to 3 ulps; 1.1-3x); Erf, the 
 ulp; 9-12x, its float64 erf within 3 float64 ulps of libm's, the same float32 roundings on 2.5 M inputs);
 Softplus, exp and log1p (23 %; 2.6-3.7x); Elu, Selu and Celu, expm1 (19-32 %; 3-6x); Mish, softplus and
 tanh (45 %; 3x); Gelu, erf or tanh (55 %; digits lost to cancellation from -4 down, -0.0 from -6 down
-where the value is a normal float; 3-6x, 19-26x for the erf form, whose tail below -3 takes libm's erfc
-value by value: :mod:`~onnxtrain.engine.exact_kernels`). Their float32
-zeros are not all the float64 route's (Gelu's), so any comparison they reach decides. Sigmoid's route keeps
-the float32 kernel's 0 below -88.72284, where float32's exp(-x) overflows (torch's sigmoid is 0 there too).
+where the value is a normal float; 3-6x, 11-14x for the erf form, whose tail below -3 takes an erfc of its
+own, over whole arrays: :mod:`~onnxtrain.engine.exact_kernels`). Their float32
+zeros are not all the float64 route's (Gelu's), so any comparison they reach decides, but for Sigmoid's:
+its route keeps the float32 kernel's 0 below -88.72284, where float32's exp(-x) overflows (torch's sigmoid
+is 0 there too), and is positive above, as the float32 kernel is (NaNs, zeros and signs the same on every
+float32 here), so a sign test of a Sigmoid's output does not mark it.
 HardSigmoid, HardSwish, Softsign, LeakyRelu and Pow's cubes are float32 arithmetic, each operation rounded
 as IEEE asks (HardSwish is off the float64 value on 27 % of inputs, as ``x * x * x`` is off x**3): their
 results are the same on any host, so they are not sources; the walk passes through them
@@ -72,12 +74,13 @@ UFUNC_SOURCES = frozenset({"Exp", "Log", "Tanh", "Sin", "Cos", "Tan", "Atan", "S
                            "Acos", "Acosh", "Atanh"})
 # ops whose float32 kernels are formulas over an inexact exp, expm1, log1p, tanh or the engine's table erf,
 # rounded after each step; their zeros are not all the float64 route's (Gelu's float32 kernel gives -0.0 from
-# -6 down, where the value is a negative normal float), so a test of their sign decides
+# -6 down, where the value is a negative normal float), so a test of their sign decides, but for Sigmoid's
 FORMULA_SOURCES = frozenset({"Sigmoid", "Erf", "Softplus", "Elu", "Selu", "Celu", "Mish", "Gelu"})
 SOURCES = UFUNC_SOURCES | FORMULA_SOURCES
-# sources whose float32 results have the float64 route's signs and zeros: a sign test of their values decides
-# nothing (see deciding_sources)
-SIGN_EXACT_SOURCES = UFUNC_SOURCES
+# sources whose float32 results have the float64 route's signs, zeros and NaNs, so that a sign test of their
+# values decides nothing: numpy's ufuncs, and Sigmoid (0 where float32's exp(-x) overflows in both routes,
+# positive elsewhere: the same on all 2**32 float32 inputs here)
+SIGN_EXACT_SOURCES = UFUNC_SOURCES | {"Sigmoid"}
 # float32 formulas of IEEE arithmetic only (the same bits on any host): not sources, but continuous in their
 # input, so a source's one-ulp error passes through them to a decision; not sign-keeping (LeakyRelu's α·x of a
 # tiny negative value may round to -0.0)

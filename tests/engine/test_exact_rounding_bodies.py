@@ -1,6 +1,6 @@
 """Exact rounding (exact_rounding.py) of sources inside If, Loop and Scan bodies whose results leave the body
 (or go around a Loop) and decide after it; of a source read by MaxPool's Indices; of a nested control-flow
-node read at the model's opset; and the sign tests of a Sigmoid that decide nothing.
+node read at the model's opset; and the sign tests of a Sigmoid, which decide nothing.
 
 The oracle is the C library's double-precision log and exp (Python's ``math``) rounded to float32 once, then
 float32 IEEE arithmetic; each value test also shows that numpy's float32 route floors some of its inputs
@@ -16,7 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain.engine.exact_rounding import deciding_sources, rounds_exactly
+from onnxtrain.engine.exact_kernels import sigmoid64
+from onnxtrain.engine.exact_rounding import deciding_sources, rounds_exactly, zero_slots
 from onnxtrain.engine.plan import Plan
 
 
@@ -220,3 +221,41 @@ def test_maxpools_indices_over_exps_are_those_of_the_correctly_rounded_exps(fuse
     want = np.array([math.exp(float(v)) for v in x.ravel()], dtype=np.float32).reshape(-1, 2)
     np.testing.assert_array_equal(i.ravel(), 2 * np.arange(a.size) + np.argmax(want, 1))
     assert (np.argmax(np.exp(x).reshape(-1, 2), 1) != np.argmax(want, 1)).any()
+
+
+@pytest.mark.parametrize("chain, marked", [
+    ([("Sigmoid", ["x"], ["a"]), ("Greater", ["a", "z"], ["m"])], set()),
+    ([("Sigmoid", ["x"], ["a"]), ("Relu", ["a"], ["r"]), ("Sign", ["r"], ["m"])], set()),
+    ([("Sigmoid", ["x"], ["a"]), ("Equal", ["a", "z"], ["m"])], set()),
+    # a threshold other than 0, or a sign after a step that may round a value to 0: it decides
+    ([("Sigmoid", ["x"], ["a"]), ("Greater", ["a", "x"], ["m"])], {1}),
+    ([("Sigmoid", ["x"], ["a"]), ("Mul", ["a", "x"], ["p"]), ("Sign", ["p"], ["m"])], {1}),
+    # a source before the Sigmoid moves where it becomes 0
+    ([("Exp", ["x"], ["e"]), ("Sigmoid", ["e"], ["a"]), ("Greater", ["a", "z"], ["m"])], {1}),
+])
+def test_a_sign_test_of_a_sigmoids_output_does_not_mark_it(chain, marked):
+    nodes = [helper.make_node("Constant", [], ["z"], value_float=0.0)]
+    nodes += [helper.make_node(op, ins, outs) for op, ins, outs in chain]
+    raw = _raw_steps(nodes, 17)
+    assert deciding_sources(raw, zero_slots(raw, {})) == marked
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_sign_of_an_unmarked_sigmoid_is_that_of_its_float64_route(fuse):
+    """Every float32 in [-110, -80] (Sigmoid's float32 exp(-x) overflows from -88.72284 down, where it is 0
+    in both routes; its exact value is a subnormal down to -103.97) and samples elsewhere: ``Sigmoid(x) > 0``
+    and ``Sign(Sigmoid(x))`` as the float64 route rounded once gives them."""
+    lo, hi = np.float32(-80).view(np.int32), np.float32(-110).view(np.int32)
+    x = np.concatenate([np.arange(lo, hi + 1, dtype=np.int32).view(np.float32),
+                        np.random.default_rng(6).uniform(-200, 200, 100_000).astype(np.float32),
+                        np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
+    nodes = [helper.make_node("Constant", [], ["z"], value_float=0.0),
+             helper.make_node("Sigmoid", ["x"], ["a"]), helper.make_node("Greater", ["a", "z"], ["g"]),
+             helper.make_node("Sign", ["a"], ["s"])]
+    plan = Plan(_model(nodes, [("g", TensorProto.BOOL, ["n"]), ("s", F, ["n"])]), fuse=fuse)
+    assert _marked(plan, "Sigmoid") == [False]
+    g, sign = plan.run({"x": x})
+    y64 = sigmoid64([x.astype(np.float64)], {})[0].astype(np.float32)
+    np.testing.assert_array_equal(g, y64 > 0)
+    np.testing.assert_array_equal(sign, np.sign(y64))
+    assert g.sum() == (x > np.float32(-88.72284)).sum()  # 0 from there down
