@@ -420,3 +420,53 @@ def test_weights_of_two_dtypes_make_two_groups(clip: bool) -> None:
     _same(flat, perw, [], [])
     state = flat.get_state()
     assert state["W64"].dtype == np.float64 and state["Moment_1_W64"].dtype == np.float64
+
+
+def test_numpy_halves_with_batchnorm_and_dropout_as_the_single_graph() -> None:
+    """A torch export with BatchNorm (running statistics updated by the step) and Dropout (a seeded draw each
+    step) over 34 small weights: the halves and the single graph give the same losses, weights, moments and
+    running statistics, bit for bit."""
+    import io
+    import warnings
+
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = []
+            for _ in range(8):
+                layers += [torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
+                           torch.nn.Dropout(0.2)]
+            self.body = torch.nn.Sequential(*layers, torch.nn.Linear(6, 3))
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.body(x), y)
+
+    torch.manual_seed(0)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Net().train(), (torch.randn(5, 6), torch.randint(0, 3, (5,))), f,
+                          input_names=["x", "y"], output_names=["loss"], opset_version=15, dynamo=False,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    runs = {}
+    for flat in ("1", "0"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.flat_update", flat)
+        onnxtrain.set_seed(7)
+        p = params("AdamOptimizer", enable_grad_norm_clip=True)
+        sess = onnxtrain.TrainingSession(f.getvalue(), p, so)
+        assert sess._halves == (flat == "1")
+        rng = np.random.default_rng(3)
+        losses = [sess.run(["loss"], {"x": rng.standard_normal((5, 6)).astype(np.float32),
+                                      "y": rng.integers(0, 3, 5).astype(np.int64),
+                                      "Learning_Rate": np.array([0.05], np.float32)})[0] for _ in range(4)]
+        runs[flat] = (sess, losses)
+    (halves, got), (single, want) = runs["1"], runs["0"]
+    assert len(halves._flat.groups) == 1 and len(halves._flat.groups[0].weights) == 34
+    state = halves.get_state()
+    assert any("running_mean" in k for k in state) and not np.all(state[next(
+        k for k in state if "running_mean" in k)] == 0)
+    _same(halves, single, [got], [want])
