@@ -94,6 +94,9 @@ class Step:
 class Plan(GraphInterface):
     """An executable form of one ONNX graph."""
 
+    _laid_slots: list[Any] | None = None  # the value slots every run starts from (_new_slots)
+    _outputs_known: dict[tuple[str, ...] | None, tuple[tuple[int, ...], bool]] | None = None  # (_outputs_of)
+
     def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
         return node.op_type not in SUBGRAPH_OPS and find_kernel(node.op_type, self.opset, node.domain) is None
 
@@ -352,14 +355,21 @@ class Plan(GraphInterface):
         vals = self._new_slots()
         slot = self.slot
         live = self._base_bytes
+        inits = self.initializers
         for name, v in feeds.items():
             s = slot.get(name)
             if s is None:
                 raise EngineError(f"unknown feed {name!r}; graph inputs: {self.all_input_names}")
-            if vals[s] is not None and name in self.initializers:
-                live -= vals[s].nbytes
-            vals[s] = v = _plain(v)
-            live += nbytes(v)
+            if type(v) is np.ndarray:
+                size = v.nbytes
+            else:
+                v = _plain(v)
+                size = nbytes(v)
+            held = vals[s]
+            if held is not None and name in inits:  # a fed initializer: its own array is not held
+                live -= held.nbytes
+            vals[s] = v
+            live += size
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = _plain(v)
@@ -379,26 +389,47 @@ class Plan(GraphInterface):
             else:
                 peak = self._run_steps(vals, live)
         self.peak_bytes = peak + self.scratch.nbytes
-        if output_names is None:
+        slots, repeated = self._outputs_of(output_names)
+        outs = [v if type(v) is np.ndarray else _as_array(v) for v in map(vals.__getitem__, slots)]
+        return repeats_copied(slots, outs) if repeated else outs
+
+    def _outputs_of(self, names: Sequence[str] | None) -> tuple[Sequence[int], bool]:
+        """The slots of the outputs ``names`` (None: all, in order) and whether one is asked for twice;
+        remembered per list of names (a training loop asks for the same ones at every step)."""
+        known = self._outputs_known
+        if known is None:
+            known = self._outputs_known = {}
+        key = None if names is None else tuple(names)
+        got = known.get(key)
+        if got is not None:
+            return got
+        if names is None:
             slots = self._output_slots
         else:
             slots = []
-            for n in output_names:
-                s = slot.get(n)
+            for n in key:
+                s = self.slot.get(n)
                 if s is None or n not in self.output_info:
                     raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
                 slots.append(s)
-        return repeats_copied(slots, [_as_array(vals[s]) for s in slots])
+        got = (tuple(slots), len(set(slots)) < len(slots))
+        if len(known) >= _OUTPUT_LISTS_KEPT:
+            known.clear()
+        known[key] = got
+        return got
 
     def _new_slots(self) -> list[Any]:
-        """A run's value slots holding the initializers and folded constants; the extra last slot stays
-        None (omitted inputs)."""
-        vals: list[Any] = [None] * (self.n_slots + 1)
-        for s, v in self._init_values:
-            vals[s] = v
-        for s, v in self._const_values:
-            vals[s] = v
-        return vals
+        """A run's value slots holding the initializers and folded constants (fixed once the plan is built:
+        laid out at the first run, copied at each); the extra last slot stays None (omitted inputs)."""
+        laid = self._laid_slots
+        if laid is None:
+            laid = [None] * (self.n_slots + 1)
+            for s, v in self._init_values:
+                laid[s] = v
+            for s, v in self._const_values:
+                laid[s] = v
+            self._laid_slots = laid
+        return laid.copy()
 
     def run_inputs(self, values: Sequence[Any]) -> list[Any]:
         """Run on all graph inputs given in order (``all_input_names``), without checking them: for callers
@@ -480,20 +511,22 @@ class Plan(GraphInterface):
         for s, r in zip(outs, res):
             if s >= 0:
                 vals[s] = r
-                added += nbytes(r)
+                added += r.nbytes if type(r) is np.ndarray else nbytes(r)
         return added
 
     @staticmethod
     def _free_written(vals: list[Any], free: tuple[int, ...], res: Sequence[Any]) -> int:
         """Free now the inputs of a multi-output step that one of its results was written into (a donated
         weight updated in place): that memory is the result's from here on, not new. Returns their bytes."""
+        if not free:
+            return 0
         freed = 0
-        written = {id(r) for r in res}
+        written = set(map(id, res))
         for s in free:
             v = vals[s]
             if v is not None and id(v) in written:
                 vals[s] = None
-                freed += nbytes(v)
+                freed += v.nbytes if type(v) is np.ndarray else nbytes(v)
         return freed
 
     def _run_watched(self, vals: list[Any], live: int, stop: Any = None, until: int | None = None) -> int:
@@ -633,6 +666,7 @@ def compile_model(model: onnx.ModelProto | str | bytes, **kw: Any) -> Plan:
     return Plan(model, **kw)
 
 
+_OUTPUT_LISTS_KEPT = 64  # lists of output names a plan remembers the slots of (Plan._outputs_of)
 _TERMINATED = "Exiting due to terminate flag being set to true (RunOptions.terminate), before node {!r}"
 
 
