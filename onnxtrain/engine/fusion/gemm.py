@@ -589,7 +589,7 @@ def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
             and type(bias) is np.ndarray
             and y.flags.writeable
             and y.dtype == np.result_type(y, bias)
-            and np.broadcast_shapes(y.shape, bias.shape) == y.shape
+            and _fits_onto(y.shape, bias.shape)
             and not np.may_share_memory(y, a)
             and not np.may_share_memory(y, b)
             and not np.may_share_memory(y, bias)
@@ -599,3 +599,11 @@ def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
         return plan._call(add, [bias, y] if first else [y, bias])
 
     return run
+
+
+@functools.lru_cache(maxsize=256)
+def _fits_onto(shape: tuple[int, ...], other: tuple[int, ...]) -> bool:
+    """Whether ``other`` broadcasts onto ``shape`` without growing it (np.broadcast_shapes, whose ValueError
+    for shapes that do not broadcast is raised each time: exceptions are not cached), remembered per pair
+    of shapes: the Add after a MatMul asks at every run, and numpy's answer costs as much as a small Add."""
+    return np.broadcast_shapes(shape, other) == shape
