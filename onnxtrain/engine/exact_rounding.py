@@ -342,7 +342,8 @@ def body_sinks(graph: onnx.GraphProto, opset: int, deciding: Mapping[str, Reach]
     signed)), for the plan to build the body with (``deciding`` of its own outputs). ``deciding``: the
     same for ``graph``'s outputs; ``constants``: its initializers' values by name (a feed may not
     override them)."""
-    flows = [k for k, nd in enumerate(graph.node) if nd.op_type in BODIES and nd.domain in ("", "ai.onnx")]
+    flows = [k for k, nd in enumerate(graph.node) if nd.op_type in BODIES and nd.domain in ("", "ai.onnx")
+             and any(_holds_sources(g) for g in subgraphs(nd))]
     if not flows:
         return {}
     steps, slots = _graph_steps(graph, opset)
@@ -368,6 +369,11 @@ def body_sinks(graph: onnx.GraphProto, opset: int, deciding: Mapping[str, Reach]
             if named:
                 found.setdefault(k, {})[a.name] = named
     return found
+
+
+def _holds_sources(graph: onnx.GraphProto) -> bool:
+    """Whether ``graph`` or a body in it has a :data:`SOURCES` step (else its bodies have nothing to mark)."""
+    return any(nd.op_type in SOURCES or any(_holds_sources(g) for g in subgraphs(nd)) for nd in graph.node)
 
 
 def deciding_sources(steps: Sequence[RawStep], zeros: set[int] = frozenset(),
