@@ -52,7 +52,9 @@ node is read at the model's opset (Scan-8's inputs start with the sequence lengt
 
 MaxPool passes its values output on as :data:`SIGN_KEEPING` steps do (a max of each window); its Indices
 output, when the node has one, is an argmax over each window, so a source that reaches MaxPool's input
-decides then, as before a :data:`SELECTING` step.
+decides then, as before a :data:`SELECTING` step. A training graph's MaxPool gradient reads the Indices, so
+a Tanh before a MaxPool is marked there (a Conv-Tanh-MaxPool-Linear training step, batch 8: 1.01x, its
+Tanh of 27,648 values 11 -> 56 us).
 """
 
 from __future__ import annotations
