@@ -13,40 +13,44 @@ from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, compute_type,
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
     """(1 − α^t, 1 − β^t) as scalars of type ``et``, or ones when bias correction is off.
 
-    Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t.
+    Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t. Both on
+    one vector [α, β] (each element's Pow is its own: the same values as two scalar chains), then split.
     """
     if not on:
         one = scalar(w, 1.0, et)
         return one, one
     tf = w.one("Cast", t, to=TensorProto.DOUBLE)
-    c1 = _correction(w, scalar(w, held(alpha, et), TensorProto.DOUBLE), tf)
-    c2 = _correction(w, scalar(w, held(beta, et), TensorProto.DOUBLE), tf)
-    if et == TensorProto.DOUBLE:
-        return c1, c2
-    return w.one("Cast", c1, to=et), w.one("Cast", c2, to=et)
+    c = _corrections(w, w.const(np.array([held(alpha, et), held(beta, et)]), TensorProto.DOUBLE), tf)
+    if et != TensorProto.DOUBLE:
+        c = w.one("Cast", c, to=et)
+    c1, c2 = w.emit("Split", [c, w.ints([1, 1])], 2, axis=0)
+    return c1, c2
 
 
-def _correction(w: NodeWriter, base: str, tf: str) -> str:
-    """1 − base^t for float64 counts ``tf``, and 1 where t ≤ 0 (onnxruntime's
+def _corrections(w: NodeWriter, bases: str, tf: str) -> str:
+    """1 − bases^tf for float64 counts ``tf`` (broadcast), and 1 where the count is ≤ 0 (onnxruntime's
     compute_bias_correction_coefficient: a count of 0 loaded into the state steps uncorrected, not by 0/0)."""
     one = scalar(w, 1.0, TensorProto.DOUBLE)
-    c = w.one("Sub", one, w.one("Pow", base, tf))
+    c = w.one("Sub", one, w.one("Pow", bases, tf))
     return w.one("Where", w.one("Greater", tf, scalar(w, 0.0, TensorProto.DOUBLE)), c, one)
 
 
 def shared_bias_corrections(
-    w: NodeWriter, items: list[tuple[str, float, float, bool]], et: int, lr: str | None = None
-) -> list[tuple[str, str, str | None]]:
+    w: NodeWriter, items: list[tuple[str, float, float, bool]], et: int, lr: str | None = None,
+    joined: str | None = None,
+) -> list[tuple[str | None, str, str | None]]:
     """:func:`bias_corrections` for many weights at once: ``items`` are (count, α, β, on) per weight.
 
-    The counts of the weights with correction on are concatenated and the scalar math runs once on the
-    vector (its values are those of the per-weight form), then a Split hands each weight its pair: a
-    dozen nodes in all instead of seven per weight, which on small models is much of the update's time.
-    Given ``lr`` (of type ``et``), the third value is each weight's step lr·sqrt(c2)/c1, also split from
-    one vector (None where a weight's correction is off or it is the only one: its caller computes it).
+    The counts of the weights with correction on, concatenated twice (``joined`` when the caller has that
+    Concat already), take [α…, β…] to their powers in one vector (its values are those of the per-weight
+    form: each element's Pow is its own), and Splits hand each weight its pair: a dozen nodes in all
+    instead of seven per weight, which on small models is much of the update's time. Given ``lr`` (of
+    type ``et``), the third value is each weight's step lr·sqrt(c2)/c1, also split from one vector, and
+    the first is None (nobody reads it); the third is None where a weight's correction is off or it is
+    the only one: its caller computes it.
     """
     on = [i for i, (_, _, _, flag) in enumerate(items) if flag]
-    out: list[tuple[str, str, str | None]] = [
+    out: list[tuple[str | None, str, str | None]] = [
         (*bias_corrections(w, t, a, b, False, et), None) for t, a, b, _ in items
     ]
     if len(on) == 1:
@@ -54,17 +58,24 @@ def shared_bias_corrections(
         out[on[0]] = (*bias_corrections(w, t, a, b, True, et), None)
     elif on:
         dbl = TensorProto.DOUBLE
-        sizes = w.ints([1] * len(on))
-        tf = w.one("Cast", w.one("Concat", *[items[i][0] for i in on], axis=0), to=dbl)
-        vectors = []
-        for k in (1, 2):  # α for the first moment, β for the second
-            c = _correction(w, w.const(np.array([held(items[i][k], et) for i in on]), dbl), tf)
-            vectors.append(c if et == dbl else w.one("Cast", c, to=et))
-        c1s, c2s = (w.emit("Split", [c, sizes], len(on), axis=0) for c in vectors)
-        steps: list[str | None] = [None] * len(on)
-        if lr is not None:
-            step = step_size(w, lr, vectors[0], vectors[1])
-            steps = list(w.emit("Split", [step, sizes], len(on), axis=0))
+        n = len(on)
+        counts = [items[i][0] for i in on]
+        if joined is None:
+            joined = w.one("Concat", *counts, *counts, axis=0)
+        tf = w.one("Cast", joined, to=dbl)
+        bases = w.const(np.array([held(items[i][k], et) for k in (1, 2) for i in on]), dbl)
+        c = _corrections(w, bases, tf)
+        if et != dbl:
+            c = w.one("Cast", c, to=et)
+        c1v, c2v = w.emit("Split", [c, w.ints([n, n])], 2, axis=0)
+        sizes = w.ints([1] * n)
+        c2s = w.emit("Split", [c2v, sizes], n, axis=0)
+        if lr is None:
+            c1s: list[str | None] = list(w.emit("Split", [c1v, sizes], n, axis=0))
+            steps: list[str | None] = [None] * n
+        else:
+            c1s = [None] * n
+            steps = list(w.emit("Split", [step_size(w, lr, c1v, c2v), sizes], n, axis=0))
         for i, c1, c2, st in zip(on, c1s, c2s, steps):
             out[i] = (c1, c2, st)
     return out
@@ -75,12 +86,24 @@ def step_size(w: NodeWriter, lr: str, c1: str, c2: str) -> str:
     return w.one("Div", w.one("Mul", lr, w.one("Sqrt", c2)), c1)
 
 
-def next_counts(w: NodeWriter, counts: list[str], names: list[str]) -> list[str]:
-    """count + 1 for each of ``counts`` (int64 [1] tensors), as one Add on their concatenation."""
+def next_counts(w: NodeWriter, counts: list[str], names: list[str], joined: str | None = None) -> list[str]:
+    """count + 1 for each of ``counts`` (int64 [1] tensors), as one Add on their concatenation (``joined``:
+    the Concat of ``counts`` twice that :func:`shared_bias_corrections` read, reused; its second half is
+    stepped too and dropped)."""
     if len(counts) == 1:
         return w.emit("Add", [counts[0], w.ints([1])], names)
-    stepped = w.one("Add", w.one("Concat", *counts, axis=0), w.ints([1]))
-    return w.emit("Split", [stepped, w.ints([1] * len(counts))], names, axis=0)  # sizes given: any opset
+    n = len(counts)
+    if joined is None:
+        stepped = w.one("Add", w.one("Concat", *counts, axis=0), w.ints([1]))
+        return w.emit("Split", [stepped, w.ints([1] * n)], names, axis=0)  # sizes given: any opset
+    stepped = w.one("Add", joined, w.ints([1]))
+    return w.emit("Split", [stepped, w.ints([1] * n + [n])], [*names, w.names("counts_again")], axis=0)[:n]
+
+
+def _given(name: str | None) -> str:
+    """``name``, which the caller knows is set."""
+    assert name is not None
+    return name
 
 
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
@@ -119,6 +142,9 @@ class Adam(Optimizer):
         groups: dict[int, list[WeightSlot]] = {}  # by type, each sharing one vector of step sizes
         for s in slots:
             groups.setdefault(compute_type(s.elem_type), []).append(s)
+        joined = None  # the counts' Concat, shared by the corrections and the next counts when both read all
+        if len(groups) == 1 and len(slots) > 1 and all(iattr(s, self, "do_bias_correction") for s in slots):
+            joined = w.one("Concat", *counts, *counts, axis=0)
         for et, group in groups.items():
             items = [
                 (state[f"Update_Count_{s.name}"], fattr(s, self, "alpha"), fattr(s, self, "beta"),
@@ -126,7 +152,8 @@ class Adam(Optimizer):
                 for s in group
             ]
             lr_et = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
-            corrections.update(zip((s.name for s in group), shared_bias_corrections(w, items, et, lr_et)))
+            corrections.update(zip((s.name for s in group),
+                                   shared_bias_corrections(w, items, et, lr_et, joined=joined)))
         for s in slots:
             weight, g, et = self.operands(w, s)
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
@@ -142,7 +169,7 @@ class Adam(Optimizer):
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             c1, c2, shared_step = corrections[s.name]
             m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
-            step = shared_step or step_size(w, lr_t, c1, c2)
+            step = shared_step if shared_step is not None else step_size(w, lr_t, _given(c1), c2)
             keep = (w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
                     if lam else None)  # 1 − lr·λ
             # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2) + ε'), the bias corrections in scalars. Mode 0's
@@ -162,6 +189,6 @@ class Adam(Optimizer):
                              else w.emit("Cast", [wn], [out], to=s.elem_type))[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
             new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et, second=True)
-        stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots])
+        stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots], joined=joined)
         new_s.update(zip(counts, stepped))
         return new_w, new_s

@@ -8,8 +8,8 @@ import numpy as np
 from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
-from onnxtrain.optim.adam import bias_corrections, moments
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, scalar
+from onnxtrain.optim.adam import moments, shared_bias_corrections
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, compute_type, fattr, scalar
 
 
 class Lamb(Optimizer):
@@ -55,6 +55,20 @@ class Lamb(Optimizer):
                 )
         return value
 
+    def _corrections(self, w: NodeWriter, slots: list[WeightSlot], t: str,
+                     on: bool) -> dict[str, tuple[str, str]]:
+        """Each weight's bias corrections (c1, c2) for the shared step ``t``, one vector per compute type."""
+        groups: dict[int, list[WeightSlot]] = {}
+        for s in slots:
+            groups.setdefault(compute_type(s.elem_type), []).append(s)
+        out: dict[str, tuple[str, str]] = {}
+        for et, group in groups.items():
+            items = [(t, fattr(s, self, "alpha"), fattr(s, self, "beta"), on) for s in group]
+            for s, (c1, c2, _) in zip(group, shared_bias_corrections(w, items, et)):
+                assert c1 is not None
+                out[s.name] = (c1, c2)
+        return out
+
     def emit(
         self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]
     ) -> tuple[dict[str, str], dict[str, str]]:
@@ -63,6 +77,7 @@ class Lamb(Optimizer):
         t = state["Step"]
         rmin, rmax = float(self._global(slots, "ratio_min")), float(self._global(slots, "ratio_max"))
         bias = bool(self._global(slots, "do_bias_correction"))
+        corrections = self._corrections(w, slots, t, bias)
         for s in slots:
             weight, g, et = self.operands(w, s)
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
@@ -70,7 +85,7 @@ class Lamb(Optimizer):
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
-            c1, c2 = bias_corrections(w, t, a, b, bias, et)
+            c1, c2 = corrections[s.name]
             m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
             # d = λ·w + (m1/c1) / (sqrt(m2/c2) + ε); where d is not finite: d = 0 and the moments stay
             d = w.one(
