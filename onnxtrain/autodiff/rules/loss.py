@@ -23,22 +23,26 @@ def _class_factor(g: GradCtx) -> tuple[str, str | None]:
     lab = g.x(1)
     lt = g.elem_type(lab)
     ii = g.attr("ignore_index")
-    keep = None
+    ignored = None
     if ii is not None:
-        keep = g.emit("Not", g.emit("Equal", lab, g.const(ii, lt)))
-        lab = g.emit("Where", keep, lab, g.const(0, lt))
+        ignored = g.emit("Equal", lab, g.const(ii, lt))
+        lab = g.emit("Where", ignored, g.const(0, lt), lab)
     w = g.emit("Gather", g.x(2), lab) if g.has_x(2) else None
-    if keep is not None:
-        kf = g.emit("Cast", keep, to=g.dtype)
+    if ignored is not None:
+        kf = g.emit("Where", ignored, g.const(0.0), g.const(1.0))  # 1 for a kept sample, 0 for an ignored one
         w = kf if w is None else g.emit("Mul", w, kf)
     dl = g.dy(0)
     red = g.attr("reduction")
     if red == "mean":
         if w is not None:
             # Σw = 0 (every sample ignored, or zero-weighted): the loss is 0/0 = nan, but each w_i is 0,
-            # so the gradient is 0 as torch's; dividing by 1 there keeps 0·(dL/0) = nan out (scalar ops)
+            # so the gradient is 0 as torch's; dividing by 1 there keeps 0·(dL/0) = nan out (scalar ops).
+            # Without class weights Σw counts the kept samples (0 or at least 1): Max(Σw, 1) is that choice
             tw = g.emit("ReduceSum", w, keepdims=0)
-            dl = g.emit("Div", dl, g.emit("Where", g.emit("Equal", tw, g.const(0)), g.const(1), tw))
+            if g.has_x(2):
+                dl = g.emit("Div", dl, g.emit("Where", g.emit("Equal", tw, g.const(0)), g.const(1), tw))
+            else:
+                dl = g.emit("Div", dl, g.emit("Max", tw, g.const(1)))
         else:
             dl = g.emit("Div", dl, _count(g))
     f = dl if w is None else g.emit("Mul", dl, w)
