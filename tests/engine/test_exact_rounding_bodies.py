@@ -21,6 +21,15 @@ from onnxtrain.engine.exact_rounding import deciding_sources, rounds_exactly, ze
 from onnxtrain.engine.plan import Plan
 
 
+def _told_apart(numpy_differs: bool) -> None:
+    """After a test's oracle checks: skip (reporting it) where this host's numpy float32 route gives the
+    oracle's results on the test's inputs, so that the test could not tell a marked step from an unmarked one
+    here (numpy's SIMD log and exp are one ulp off on 10-48 % of inputs on AVX-512 hosts, correctly rounded
+    on others)."""
+    if not numpy_differs:
+        pytest.skip("numpy's float32 route matches the oracle on these inputs here: nothing told apart")
+
+
 def _near_powers_of_e() -> np.ndarray:
     """float32 inputs around e**1 .. e**8 (their logs near integers), a few hundred ulps apart."""
     near = np.float32([math.e ** k for k in range(1, 9)])[:, None]
@@ -80,7 +89,7 @@ def test_a_log_in_an_if_branch_floored_after_the_if_is_rounded_once(fuse):
     want = _libm_log(x)
     np.testing.assert_array_equal(o, want)
     np.testing.assert_array_equal(f, np.floor(want))
-    assert (np.floor(np.log(x)) != np.floor(want)).any()  # numpy's float32 log floors some differently here
+    _told_apart((np.floor(np.log(x)) != np.floor(want)).any())  # numpy's float32 log floors some differently
 
 
 def test_a_log_in_an_if_branch_left_continuous_after_the_if_keeps_numpys_log():
@@ -109,7 +118,7 @@ def test_a_log_in_a_nested_if_branch_floored_outside_both_is_rounded_once(fuse):
     (f,) = plan.run({"x": x})
     want = np.ceil(-_libm_log(x))
     np.testing.assert_array_equal(f, want)
-    assert (np.ceil(-np.log(x)) != want).any()
+    _told_apart((np.ceil(-np.log(x)) != want).any())
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -132,7 +141,7 @@ def test_a_log_carried_around_a_loop_and_floored_next_iteration_is_rounded_once(
     v1 = _libm_log(x) * np.float32(3)
     np.testing.assert_array_equal(fl[1], np.floor(v1))
     np.testing.assert_array_equal(v, _libm_log(v1) * np.float32(3))
-    assert (np.floor(np.log(x) * np.float32(3)) != np.floor(v1)).any()
+    _told_apart((np.floor(np.log(x) * np.float32(3)) != np.floor(v1)).any())
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -155,7 +164,7 @@ def test_a_log_in_a_scan_body_as_its_final_state_then_floored_is_rounded_once(fu
     (got,) = plan.run({"x": x, "xs": x[None]})
     want = np.floor(_libm_log(x))
     np.testing.assert_array_equal(got, want)
-    assert (np.floor(np.log(x)) != want).any()
+    _told_apart((np.floor(np.log(x)) != want).any())
 
 
 def _raw_steps(plan_nodes: list[onnx.NodeProto], opset: int) -> list[tuple]:
@@ -220,7 +229,7 @@ def test_maxpools_indices_over_exps_are_those_of_the_correctly_rounded_exps(fuse
     (i,) = plan.run({"x": x})
     want = np.array([math.exp(float(v)) for v in x.ravel()], dtype=np.float32).reshape(-1, 2)
     np.testing.assert_array_equal(i.ravel(), 2 * np.arange(a.size) + np.argmax(want, 1))
-    assert (np.argmax(np.exp(x).reshape(-1, 2), 1) != np.argmax(want, 1)).any()
+    _told_apart((np.argmax(np.exp(x).reshape(-1, 2), 1) != np.argmax(want, 1)).any())
 
 
 @pytest.mark.parametrize("chain, marked", [
