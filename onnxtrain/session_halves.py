@@ -35,8 +35,9 @@ from onnxtrain.session_flat import FlatLegacyUpdate
 
 # on the numpy engine the single step graph already runs each weight's update nodes as one fused cluster; the
 # halves pay a second plan run and a gather of the merged gradients, so they take over only where the flat
-# update saves many clusters (about 13 ufunc calls each): the bench's transformer encoder (28 weights) gains,
-# LeNet (10) and the MLP (4) do not (bench/HISTORY.md, 2026-12-07 07:30 UTC)
+# update saves many clusters (about 13 ufunc calls each): the bench's transformer encoder (28 weights) gains
+# 2-3 % of its step, the GPT decoder (29) about nothing, LeNet (10) and the MLP (4) would lose
+# (bench/HISTORY.md, 2026-12-07 07:30-08:30 UTC)
 NUMPY_MIN_MERGED = 16
 
 
