@@ -49,3 +49,26 @@ def test_a_scheduler_changes_the_rate_each_step(tmp_path) -> None:
         _check_step(folder, state, module, opt, i, np.float32)
         scheduler.step()
     assert len(set(seen)) >= 4 and seen[3] != seen[4]  # (rates change between most steps)
+
+
+
+@pytest.mark.parametrize("flat", [None, "0"], ids=["flat", "per-parameter"])
+def test_a_rate_of_minus_zero_after_zero_reaches_the_update(tmp_path, flat) -> None:
+    """0.0 and -0.0 compare equal, but the update's bits differ (a -0.0 weight minus -0.0·g is +0.0 where g
+    is positive, minus +0.0·g stays -0.0): the kept learning-rate feed follows the sign of a zero rate. The
+    weights' bits, signs of zeros included, are onnx.reference's (assert_array_equal takes -0.0 for 0.0)."""
+    folder = _artifacts(tmp_path, OPTIMIZERS["sgd"]())
+    state, module, opt = _open(folder, flat=flat)
+    for i, lr in enumerate([0.0, -0.0, 0.0]):
+        for p in ("b1", "b2"):
+            state.parameters[p].data[...] = -0.0
+        opt.set_learning_rate(lr)
+        module(*_batch(i))
+        want = _reference_step(folder, state, opt)
+        opt.step()
+        module.lazy_reset_grad()
+        for p in opt._params:
+            got = state.parameters[p].data
+            assert got.tobytes() == want[f"{p}.out"].astype(got.dtype).tobytes(), f"step {i}: {p}"
+        signs = np.signbit(state.parameters["b1"].data)
+        assert signs.any() and not signs.all()  # (zeros of both signs)

@@ -28,6 +28,7 @@ one update over flat buffers, the same bits in far fewer array passes (``flat_up
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import time
 from typing import Any
@@ -368,9 +369,11 @@ class Optimizer:
         check_same_scalars(parallel.get_communicator(), rates, "Optimizer.step: checking the ranks' rates")
 
     def _lr_feed(self, lr: float) -> np.ndarray:
-        """``np.array([lr])`` of the model's learning rate type, the last one again while it holds ``lr``."""
+        """``np.array([lr])`` of the model's learning rate type, the last one again while it holds ``lr``
+        (a zero rate of the same sign too: -0.0 == 0.0, but a -0.0 weight minus -0.0·g is +0.0 where g > 0,
+        minus 0.0·g stays -0.0)."""
         feed = self._lr_array
-        if feed is None or feed[0] != lr:
+        if feed is None or feed[0] != lr or (lr == 0 and math.copysign(1, lr) != math.copysign(1, feed[0])):
             feed = self._lr_array = np.array([lr], self._lr_dtype)
         return feed
 
