@@ -15,11 +15,14 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
 
     Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t. Both on
     one vector [α, β] (each element's Pow is its own: the same values as two scalar chains), then split.
+    The count is expanded to a pair too: a Pow by one exponent takes t = 2 and 3 as products, (α·α)·α, in
+    both engines (onnxruntime's kernel, and the numpy engine's as its bits), not as the power rounded once
+    that each element of the scalar chains got.
     """
     if not on:
         one = scalar(w, 1.0, et)
         return one, one
-    tf = w.one("Cast", t, to=TensorProto.DOUBLE)
+    tf = w.one("Cast", w.one("Expand", t, w.ints([2])), to=TensorProto.DOUBLE)
     c = _corrections(w, w.const(np.array([held(alpha, et), held(beta, et)]), TensorProto.DOUBLE), tf)
     if et != TensorProto.DOUBLE:
         c = w.one("Cast", c, to=et)

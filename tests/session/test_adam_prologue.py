@@ -152,6 +152,8 @@ _MAPS = dict(
     optimizer_attributes_map={"W1": {"alpha": 0.8, "beta": 0.95}, "b1": {}, "W2": {}, "b2": {"lambda": 0.01}},
     **_int_map(b1={"do_bias_correction": 0, "weight_decay_mode": 1}, W2={"weight_decay_mode": 1}),
 )
+_ONE_WEIGHT_BETAS = {"weights_to_train": {"W1"},
+                     "optimizer_attributes_map": {"W1": {"alpha": 0.882, "beta": 0.991}}}
 CASES = {
     "adam": {},
     "adam_ort": {"backend": "onnxruntime"},
@@ -165,6 +167,10 @@ CASES = {
                                                    b2={"do_bias_correction": 0})},
     "adam_uncorrected": {"p": _int_map(**{k: {"do_bias_correction": 0} for k in _W})},
     "adam_float64": {"dtype": np.float64},
+    # one weight, α = 0.882 and β = 0.991 (float32 values, as the attribute map holds them): their cubes
+    # rounded once ((a·a)·a: a·a is exact) are not numpy's float64 power of them on this host
+    "adam_one_weight_float64": {"dtype": np.float64, "p": _ONE_WEIGHT_BETAS},
+    "adam_one_weight_float64_ort": {"dtype": np.float64, "backend": "onnxruntime", "p": _ONE_WEIGHT_BETAS},
     "adam_float64_ort": {"dtype": np.float64, "backend": "onnxruntime"},
     "adam_float16": {"dtype": np.float16},
     "adam_mixed": {"p": {"use_mixed_precision": True},
