@@ -15,9 +15,9 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
 
     Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t. Both on
     one vector [α, β] (each element's Pow is its own: the same values as two scalar chains), then split.
-    The count is expanded to a pair too: a Pow by one exponent takes t = 2 and 3 as products, (α·α)·α, in
-    both engines (onnxruntime's kernel, and the numpy engine's as its bits), not as the power rounded once
-    that each element of the scalar chains got.
+    The count is expanded to a pair too, as each scalar chain raised its base by an exponent of its own: the
+    numpy engine's Pow by one exponent takes t = 2 and 3 as products, (α·α)·α (onnxruntime's bits), which
+    are not always numpy's float64 power on AVX-512 hosts (0.882³, 0.991³).
     """
     if not on:
         one = scalar(w, 1.0, et)
