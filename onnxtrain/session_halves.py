@@ -122,15 +122,18 @@ class HalfSteps:
         gfeeds = self._feeds_of(gp, feeds)
         # the step's gradients go into the step before's arrays (zeros before the first), so that the arena
         # does not hold them beside the update's intermediates; under accumulation they are the sums' own
-        reuse = None
-        if steps == 1:
+        kw: dict[str, Any] = {}  # (none on the numpy engine: its kernels allocate them)
+        if steps == 1 and self._backend != "numpy":
             reuse = self._grad_arrays or {n: np.zeros_like(store[w]) for n, w in zip(grad_names, g.trainable)}
             if self._flat is not None and not self._grad_arrays:  # straight into the flat gradients
                 reuse.update(self._flat.grad_targets())
-        kw = {} if self._backend == "numpy" else {"reuse": reuse}  # (the engine's kernels allocate them)
+            kw["reuse"] = reuse
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
                      donate=[s for s, _ in gitems if s in gfeeds and not empty], **kw)
-        got = dict(zip(local, res))
+        outs = res[:len(local)]
+        if self._backend == "numpy":  # an output passing a weight through must not see the update's writes
+            outs = apart_from(outs, store)
+        got = dict(zip(local, outs))
         grads = res[len(local):len(local) + len(grad_names)]
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
             if not empty:
@@ -167,3 +170,13 @@ class HalfSteps:
         if self._params.gradient_accumulation_steps == 1 and self._backend != "numpy":
             self._grad_arrays = dict(zip(grad_names, grads))
         return [got[n] for n in names]
+
+
+def apart_from(outs: list[Any], state: dict[str, np.ndarray]) -> list[Any]:
+    """``outs`` with a copy of each array over the memory of an array of ``state`` (an output passing a
+    weight through, as the numpy engine returns it): the update writes the weights and moments in place
+    (the merged ones into their group's buffer), and the caller's array must keep the value it was given,
+    as the single graph's does. A view's ``base`` is the array owning its memory."""
+    owners = {id(a if a.base is None else a.base) for a in state.values()}
+    return [o.copy() if type(o) is np.ndarray and id(o if o.base is None else o.base) in owners else o
+            for o in outs]

@@ -470,3 +470,72 @@ def test_numpy_halves_with_batchnorm_and_dropout_as_the_single_graph() -> None:
     assert any("running_mean" in k for k in state) and not np.all(state[next(
         k for k in state if "running_mean" in k)] == 0)
     _same(halves, single, [got], [want])
+
+
+def _deep_mlp_passing(weights: list[str]) -> onnx.ModelProto:
+    """:func:`_deep_mlp` with one more output per weight of ``weights``: ``<w>_out``, an Identity of it."""
+    from onnx import helper
+
+    model = _deep_mlp(8)
+    g = model.graph
+    shapes = {t.name: list(t.dims) for t in g.initializer}
+    for w in weights:
+        g.node.append(helper.make_node("Identity", [w], [f"{w}_out"]))
+        g.output.append(helper.make_tensor_value_info(f"{w}_out", onnx.TensorProto.FLOAT, shapes[w]))
+    return model
+
+
+@pytest.mark.parametrize("single_min", [None, 30], ids=["all-merged", "large-weights-apart"])
+def test_numpy_halves_outputs_passing_a_weight_are_the_callers(monkeypatch, single_min) -> None:
+    """A model output that passes a trained weight through (an Identity) is the weight before the step, as the
+    single graph gives it, and stays so: the update writes the merged weights into the group's buffer (and
+    a weight of its own into its donated array), not into the array the caller got."""
+    from onnx import numpy_helper
+
+    monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)
+    if single_min is not None:
+        monkeypatch.setattr(session_flat, "SINGLE_MIN", single_min)  # the 6x6 weights keep their arrays
+    model = _deep_mlp_passing(["b3", "W8", "W2"])
+    initial = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
+    sessions = []
+    for flat in ("1", "0"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.flat_update", flat)
+        p = params("AdamOptimizer", enable_grad_norm_clip=False)
+        sessions.append(onnxtrain.TrainingSession(model.SerializeToString(), p, so))
+    halves, single = sessions
+    assert halves._halves and not single._halves
+    names = ["loss", "b3_out", "W8_out", "W2_out"]
+    rng = np.random.default_rng(4)
+    got, want = [], []
+    for _ in range(3):
+        feeds = _deep_feeds(rng)
+        got.append(halves.run(names, feeds))
+        want.append(single.run(names, feeds))
+    for w in ("b3", "W8", "W2"):  # the first step's outputs: the initial weights (still)
+        np.testing.assert_array_equal(got[0][names.index(f"{w}_out")], initial[w], err_msg=w)
+    for step, (a, b) in enumerate(zip(got, want)):
+        for name, u, v in zip(names, a, b):
+            np.testing.assert_array_equal(u, v, err_msg=f"step {step}: {name}")
+    _same(halves, single, [], [])
+
+
+def test_numpy_halves_make_no_gradient_arrays_for_the_backend(monkeypatch) -> None:
+    """The numpy engine's kernels allocate the gradients: its steps in halves make no zero arrays of the
+    weights' shapes for onnxruntime's ``reuse`` (they were made at every step and held through it)."""
+    halves = _deep_session()
+    assert halves._halves
+    rng = np.random.default_rng(5)
+    halves.run(["loss"], _deep_feeds(rng))
+    store = halves._store
+    made = []
+    zeros_like = np.zeros_like
+
+    def counting(a, *args, **kw):
+        if any(a is store[w] for w in halves._graphs.trainable):
+            made.append(a.shape)
+        return zeros_like(a, *args, **kw)
+
+    monkeypatch.setattr(np, "zeros_like", counting)
+    halves.run(["loss"], _deep_feeds(rng))
+    assert made == []
