@@ -539,3 +539,28 @@ def test_numpy_halves_make_no_gradient_arrays_for_the_backend(monkeypatch) -> No
     monkeypatch.setattr(np, "zeros_like", counting)
     halves.run(["loss"], _deep_feeds(rng))
     assert made == []
+
+
+def test_numpy_halves_after_loads_as_the_single_graph(monkeypatch) -> None:
+    """The numpy engine in halves after load_state between steps: a state whose merged step counts differ
+    (the per-weight update graph runs, donating the weights that own their arrays while the others are views
+    of the group's buffers), then another run's state (copied into the buffers): the single graph's bits."""
+    monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)
+    halves, single = _session("numpy", "AdamOptimizer"), _session("numpy", "AdamOptimizer", flat="0")
+    assert halves._halves and not single._halves
+    got, want = _train(halves, 2), _train(single, 2)
+    state = single.get_state()
+    state["Update_Count_b2"] = np.array([7], np.int64)
+    for s in (halves, single):
+        s.load_state(state)
+    assert not halves._flat.applies(halves._store)
+    got += _train(halves, 3, seed=6)
+    want += _train(single, 3, seed=6)
+    assert "update" in halves._plans
+    _same(halves, single, got, want)
+    other = _session("numpy", "AdamOptimizer", flat="0")
+    _train(other, 3, seed=9)
+    for s in (halves, single):
+        s.load_state(other.get_state())
+    assert halves._flat.applies(halves._store)
+    _same(halves, single, _train(halves, 3, seed=7), _train(single, 3, seed=7))
