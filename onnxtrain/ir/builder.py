@@ -441,15 +441,38 @@ def _refined(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> list[o
             *refined_conv_transposes(model, types), *refined_same_shapes(model, types)]
 
 
+# ONNX's data propagation treats a 1-D value of any type as shape data: an elementwise node over 500,000
+# values held 76 MiB while inferred, and an optimizer's flat update graph over 524,288 (a dozen such nodes)
+# 600 MiB
+_DATA_PROP_MAX = 1 << 16
+
+
+def _propagates(model: onnx.ModelProto) -> bool:
+    """Whether shape inference should propagate values: unless a graph input or declared value is 1-D with
+    :data:`_DATA_PROP_MAX` elements or more and no graph has a Shape or Size node (whose values are what
+    propagation is for: a flat optimizer update's graph)."""
+    g = model.graph
+    large = any(
+        len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value >= _DATA_PROP_MAX
+        for v in (*g.input, *g.value_info)
+        if v.type.HasField("tensor_type")
+        for dims in [v.type.tensor_type.shape.dim]
+    )
+    if not large:
+        return True
+    return any(n.op_type in ("Shape", "Size") for sub in walk_graphs(g) for n in sub.node)
+
+
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
                     fallback: onnx.ModelProto | None) -> dict[str, onnx.TypeProto] | None:
     """The types inference gives ``skeleton`` (``model``'s initializers and constants included); where it
     fails, those ``fallback``'s value infos declare, or None without a fallback."""
+    prop = _propagates(skeleton)
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=True, data_prop=prop)
     except Exception:  # an op inference cannot type, or a declared shape its producer contradicts
         try:
-            inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+            inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=prop)
         except Exception:
             if fallback is None:
                 return None
@@ -491,7 +514,8 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
             o.type.tensor_type.ClearField("shape")
             o.type.tensor_type.elem_type = 0
     try:
-        computed = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph
+        prop = _propagates(bare)
+        computed = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=prop).graph
     except Exception:
         return skeleton
     fresh = {v.name: v.type for v in (*computed.value_info, *computed.output)

@@ -15,14 +15,16 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
 
     Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t. Both on
     one vector [α, β] (each element's Pow is its own: the same values as two scalar chains), then split.
-    The count is expanded to a pair too, as each scalar chain raised its base by an exponent of its own: the
+    The count is made a pair too, as each scalar chain raised its base by an exponent of its own: the
     numpy engine's Pow by one exponent takes t = 2 and 3 as products, (α·α)·α (onnxruntime's bits), which
     are not always numpy's float64 power on AVX-512 hosts (0.882³, 0.991³).
     """
     if not on:
         one = scalar(w, 1.0, et)
         return one, one
-    tf = w.one("Cast", w.one("Expand", t, w.ints([2])), to=TensorProto.DOUBLE)
+    # (a Concat: an Expand, a shaping node, had the onnxruntime backend infer the flat update graph's types,
+    # which held 600 MiB over the transformer's 534,026 values before ir.builder._propagates)
+    tf = w.one("Cast", w.one("Concat", t, t, axis=0), to=TensorProto.DOUBLE)
     c = _corrections(w, w.const(np.array([held(alpha, et), held(beta, et)]), TensorProto.DOUBLE), tf)
     if et != TensorProto.DOUBLE:
         c = w.one("Cast", c, to=et)
