@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.capi.feeds import empty_run
+from onnxtrain.capi.outputs import unshared_with
 from onnxtrain.engine import ort_chunks
 from onnxtrain.graph_transforms.accumulation import buffer_name
 from onnxtrain.session_flat import FlatLegacyUpdate
@@ -132,7 +133,7 @@ class HalfSteps:
                      donate=[s for s, _ in gitems if s in gfeeds and not empty], **kw)
         outs = res[:len(local)]
         if self._backend == "numpy":  # an output passing a weight through must not see the update's writes
-            outs = apart_from(outs, store)
+            outs = unshared_with(outs, store.values())
         got = dict(zip(local, outs))
         grads = res[len(local):len(local) + len(grad_names)]
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
@@ -170,13 +171,3 @@ class HalfSteps:
         if self._params.gradient_accumulation_steps == 1 and self._backend != "numpy":
             self._grad_arrays = dict(zip(grad_names, grads))
         return [got[n] for n in names]
-
-
-def apart_from(outs: list[Any], state: dict[str, np.ndarray]) -> list[Any]:
-    """``outs`` with a copy of each array over the memory of an array of ``state`` (an output passing a
-    weight through, as the numpy engine returns it): the update writes the weights and moments in place
-    (the merged ones into their group's buffer), and the caller's array must keep the value it was given,
-    as the single graph's does. A view's ``base`` is the array owning its memory."""
-    owners = {id(a if a.base is None else a.base) for a in state.values()}
-    return [o.copy() if type(o) is np.ndarray and id(o if o.base is None else o.base) in owners else o
-            for o in outs]

@@ -5,7 +5,7 @@ Transpose, an initializer passed through, one value under two output names)."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,23 @@ def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
 
     return [[own(v) for v in o] if isinstance(o, list) and o and isinstance(o[0], np.ndarray) else own(o)
             for o in outs]
+
+
+def unshared_with(outs: list[Any], held: Iterable[Any]) -> list[Any]:
+    """``outs`` (changed in place and returned) with a copy of each array that is one of ``held``'s arrays or
+    a view into one (an output passing a weight through, or reshaping or slicing it): a later update writes
+    those arrays in place, and the caller's array must keep the value it was given. Outputs that own their
+    memory are not compared, and ``held`` is read only when some output does not."""
+    suspects = [k for k, o in enumerate(outs) if isinstance(o, np.ndarray)]
+    if not suspects:
+        return outs
+    arrays = [a for a in held if isinstance(a, np.ndarray)]
+    ids = {id(a) for a in arrays}
+    for k in suspects:
+        o = outs[k]
+        if (o.base is not None or id(o) in ids) and any(np.may_share_memory(o, a) for a in arrays):
+            outs[k] = o.copy()
+    return outs
 
 
 def outputs_apart(outs: list[Any]) -> list[Any]:

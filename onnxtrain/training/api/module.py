@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.capi.feeds import empty_run
-from onnxtrain.capi.outputs import outputs_apart, own_outputs
+from onnxtrain.capi.outputs import outputs_apart, own_outputs, unshared_with
 from onnxtrain.engine.backends import (
     backend_of,
     fusion_choice,
@@ -157,17 +157,8 @@ def _own(outs: list[Any], user_feeds: dict[str, Any]) -> list[Any]:
 def _unshared(outs: list[Any], params: Iterable[Any]) -> list[Any]:
     """``outs`` with a copy of each output that is a parameter's array or a view into one (an output that
     reshapes or slices a weight): the caller's arrays must not change with the next update, nor change the
-    weights, as onnxruntime-training's do not. Outputs that own their memory are not compared."""
-    suspects = [k for k, o in enumerate(outs) if isinstance(o, np.ndarray)]
-    if not suspects:
-        return outs
-    held = [a for p in params for a in (p.data, p.grad) if isinstance(a, np.ndarray)]
-    ids = {id(a) for a in held}
-    for k in suspects:
-        o = outs[k]
-        if (o.base is not None or id(o) in ids) and any(np.may_share_memory(o, a) for a in held):
-            outs[k] = o.copy()
-    return outs
+    weights, as onnxruntime-training's do not (:func:`~onnxtrain.capi.outputs.unshared_with`)."""
+    return unshared_with(outs, (a for p in params for a in (p.data, p.grad)))
 
 
 def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
