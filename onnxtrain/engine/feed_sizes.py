@@ -76,24 +76,56 @@ def same_size_dims(model: onnx.ModelProto) -> dict[str, list[tuple[str, int]]]:
     return {}
 
 
-def same_size_error(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: str) -> str | None:
-    """A message beginning with ``what`` when ``feeds`` give two of the (input, axis) pairs of one of
-    ``dims`` (:func:`same_size_dims`) different sizes; None when they agree (or an input is not fed)."""
-    for d, slots in dims.items():
+def shared_dim_slots(inputs: Iterable[Declared]) -> list[list[tuple[str, int]]]:
+    """The (input, axis) slots of each symbolic dimension name that occurs more than once in ``inputs``' dims
+    (in one input's or two inputs'): only these can be fed two sizes of one dimension."""
+    slots: dict[str, list[tuple[str, int]]] = {}
+    for spec in inputs:
+        for i, d in enumerate(spec.shape or ()):
+            if isinstance(d, str) and d:
+                slots.setdefault(d, []).append((spec.name, i))
+    return [v for v in slots.values() if len(v) > 1]
+
+
+def _first_split(dims: Iterable[tuple[str, list[tuple[str, int]]]], feeds: Any, strict: bool
+                 ) -> tuple[str, tuple[str, int, int] | None, tuple[str, int, int | None]] | None:
+    """The first of ``dims`` (dim name, its (input, axis) slots) that ``feeds`` give two sizes: (the name, its
+    first fed slot and size, the other slot and size); None when they agree. ``strict``: a slot not fed, or
+    without that axis, is a split too (size None); otherwise it is passed over."""
+    for d, slots in dims:
         first = None
         for name, axis in slots:
             shape = getattr(feeds.get(name), "shape", None)
             if shape is None or len(shape) <= axis:
+                if strict:
+                    return d, first, (name, axis, None)
                 continue
             if first is None:
                 first = (name, axis, shape[axis])
             elif shape[axis] != first[2]:
-                return (f"{what}: inputs {first[0]!r} and {name!r} share dimension {d!r} (index {first[1]} "
-                        f"of {first[0]!r}, {axis} of {name!r}) but have sizes {first[2]} and {shape[axis]}; "
-                        "the training graph takes them for one size where their values meet in a broadcast "
-                        "(a 1 would not get its gradient summed): feed one size, or declare the dims apart "
-                        "(other names, or 1 for a broadcast one)")
+                return d, first, (name, axis, shape[axis])
     return None
+
+
+def sizes_agree(shared: list[list[tuple[str, int]]], feeds: Any) -> bool:
+    """Whether ``feeds`` give every slot of each of ``shared`` (:func:`shared_dim_slots`) one size; False also
+    when a slot is not fed or has no such axis."""
+    return _first_split((("", slots) for slots in shared), feeds, True) is None
+
+
+def same_size_error(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: str) -> str | None:
+    """A message beginning with ``what`` when ``feeds`` give two of the (input, axis) pairs of one of
+    ``dims`` (:func:`same_size_dims`) different sizes; None when they agree (or an input is not fed)."""
+    split = _first_split(dims.items(), feeds, False)
+    if split is None:
+        return None
+    d, first, (name, axis, size) = split
+    assert first is not None
+    return (f"{what}: inputs {first[0]!r} and {name!r} share dimension {d!r} (index {first[1]} "
+            f"of {first[0]!r}, {axis} of {name!r}) but have sizes {first[2]} and {size}; "
+            "the training graph takes them for one size where their values meet in a broadcast "
+            "(a 1 would not get its gradient summed): feed one size, or declare the dims apart "
+            "(other names, or 1 for a broadcast one)")
 
 
 def check_same_sizes(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: str) -> None:

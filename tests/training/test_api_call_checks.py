@@ -4,7 +4,7 @@ An input spec decides from facts taken when it is made (a declared dtype, the fi
 row-major array can pass as it is; anything else (another dtype, shape, rank, layout or kind of value) goes
 through the full check. A Module called with a good batch, then bad ones, then good ones again must raise
 each time with the message it always gave, and train as torch does. The mismatch check of symbolic dims runs
-only where inputs that share a dim name (:func:`shared_dims`) were fed different sizes of it.
+only where inputs that share a dim name (``feed_sizes.shared_dim_slots``) were fed different sizes of it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import onnx
 import pytest
 
 from onnxtrain.capi.ortvalue import OrtValue
+from onnxtrain.engine.feed_sizes import shared_dim_slots as shared_dims
+from onnxtrain.engine.feed_sizes import sizes_agree as _sizes_agree
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
 from onnxtrain.training.api._graph import InputSpec
-from onnxtrain.training.api.module import _sizes_agree, shared_dims
 
 torch = pytest.importorskip("torch")
 

@@ -36,7 +36,13 @@ from onnxtrain.engine.backends import (
     numpy_fuse,
     session_config_entry,
 )
-from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
+from onnxtrain.engine.feed_sizes import (
+    check_same_sizes,
+    same_size_dims,
+    shared_dim_mismatch,
+    shared_dim_slots,
+    sizes_agree,
+)
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
@@ -439,7 +445,7 @@ class Module:
         # buffers of parameters this state does not hold: not user inputs either
         hidden |= {n for n in names if n.endswith(BUFFER_SUFFIX)}
         self._train_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
-        self._train_shared_dims = shared_dims(self._train_inputs)
+        self._train_shared_dims = shared_dim_slots(self._train_inputs)
         self._train_outputs = [n for n in outputs if not n.endswith(ACCUMULATED_SUFFIX)
                                and n not in self._added_outputs]
         # parameters of the model the checkpoint lacks: user inputs, as in onnxruntime-training (§3.1), whose
@@ -487,7 +493,7 @@ class Module:
         self._eval_params = [v.name for v in inputs if v.name in self._state._params]
         hidden = set(self._eval_params) | {RESET_INPUT}
         self._eval_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
-        self._eval_shared_dims = shared_dims(self._eval_inputs)
+        self._eval_shared_dims = shared_dim_slots(self._eval_inputs)
         if self._eval_params:  # (what the training model lacks was reported already)
             training = {s.name for s in self._train_inputs}
             self._warn_unheld([v for v in inputs if v.name not in training], {v.name for v in inputs}, "eval")
@@ -788,41 +794,14 @@ class Module:
         return [s.name for s in self._eval_inputs], list(self._eval_outputs)
 
 
-def shared_dims(specs: Sequence[InputSpec]) -> list[list[tuple[str, int]]]:
-    """The (input, axis) slots of each symbolic dimension name that occurs more than once in ``specs`` (in one
-    input's dims or two inputs'): only these can be fed two sizes of one dimension."""
-    slots: dict[str, list[tuple[str, int]]] = {}
-    for s in specs:
-        for i, d in enumerate(s.shape or ()):
-            if isinstance(d, str) and d:
-                slots.setdefault(d, []).append((s.name, i))
-    return [v for v in slots.values() if len(v) > 1]
-
-
-def _sizes_agree(shared: list[list[tuple[str, int]]], feeds: Mapping[str, Any]) -> bool:
-    """Whether ``feeds`` give every slot of each of ``shared`` (:func:`shared_dims`) one size; False also
-    when a slot has no such axis (then ``shared_dim_mismatch`` decides)."""
-    for slots in shared:
-        size = None
-        for name, axis in slots:
-            shape = getattr(feeds.get(name), "shape", None)
-            if shape is None or len(shape) <= axis:
-                return False
-            if size is None:
-                size = shape[axis]
-            elif shape[axis] != size:
-                return False
-    return True
-
-
 def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str,
                  shared: list[list[tuple[str, int]]] | None = None) -> Any:
     """``run()``, told apart where inputs sharing a symbolic dimension (a batch of inputs against one of
     labels) were fed different sizes of it: a failed run raises a ValueError naming them, with the engine's
     error as its cause; one that succeeded warns (once per place): either the model reuses a dimension's
     name for another size, or a batch is wrong and the runtime did not notice (onnxruntime's loss kernels
-    do not all check). ``shared``: :func:`shared_dims` of ``specs`` (None: not known), which tells at once
-    most runs that have nothing to tell apart."""
+    do not all check). ``shared``: :func:`~onnxtrain.engine.feed_sizes.shared_dim_slots` of ``specs`` (None:
+    not known), which tells at once most runs that have nothing to tell apart."""
     try:
         out = run()
     except Exception as e:
@@ -831,7 +810,7 @@ def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapp
             raise ValueError(msg) from e
         raise
     msg = None
-    if shared is None or shared and not _sizes_agree(shared, feeds):
+    if shared is None or shared and not sizes_agree(shared, feeds):
         msg = shared_dim_mismatch(specs, feeds, what)
     if msg is not None:
         warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
