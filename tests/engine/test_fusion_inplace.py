@@ -535,3 +535,32 @@ def test_cross_entropy_gradient_step_is_named_after_its_mul() -> None:
         node.name = f"{node.op_type}_{i}"
     (step,) = [st for st in Plan(m).steps if st.node.op_type == "InplaceCrossEntropyGrad"]
     assert step.node.name == f"InplaceCrossEntropyGrad(Mul_{len(m.graph.node) - 1})"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reduction", ["add", "none"])
+@pytest.mark.parametrize("through_kernel", [False, True])
+def test_cross_entropy_gradient_of_strided_or_large_log_probabilities(dtype, reduction: str,
+                                                                      through_kernel: bool,
+                                                                      monkeypatch) -> None:
+    """The fused step calls np.exp itself below the Exp kernel's split size: log-probabilities laid out in
+    Fortran order (an exp that is no C-contiguous array: the scatter and Mul steps) and, with that size
+    lowered to nothing, the Exp kernel's result (checked for shared memory) give the unfused plan's bits."""
+    from onnxtrain.engine.fusion import inplace
+
+    if through_kernel:
+        monkeypatch.setattr(inplace, "SPLIT_MIN", 0)
+    rows, cols = 64, 10
+    m = mean_cross_entropy_grad(rows, cols, dtype, reduction=reduction)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceCrossEntropyGrad" in ops(fused)
+    rng = np.random.default_rng(5)
+    logp = (rng.standard_normal((rows, cols)) - 3).astype(dtype)
+    logp.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    for lp in (logp, np.asfortranarray(logp)):
+        f = {"logp": lp, "labels": rng.integers(0, cols, rows), "minus": np.full((rows, 1), -1.0, dtype),
+             "scale": np.array(1 / rows, dtype)}
+        want = plain.run(f)[0]
+        got = fused.run(f)[0]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()

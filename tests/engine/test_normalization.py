@@ -459,3 +459,19 @@ def test_bias_gradient_fast_path_leaves_other_sums_to_the_general_path(x, axes) 
     assert reduce._bias_sum(x, a, 0) is None
     (y,) = _ours("ReduceSum", [x, a], 13, keepdims=0)
     np.testing.assert_array_equal(y, x.astype(np.float64).sum(axis=tuple(axes)).astype(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(64, 10), (3, 1), (5, 129), (2, 1000)])
+def test_row_sums_are_einsums_bits(dtype, shape) -> None:
+    """row_sum and row_dot call einsum's C function directly: np.einsum's bits (its own summation order, not
+    numpy's pairwise one), checked against float64 sums."""
+    from onnxtrain.engine.kernels.normalization import row_dot, row_sum
+
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    a.reshape(-1)[:1] = -0.0
+    got = row_sum(a)
+    assert got.shape == (shape[0], 1) and got.tobytes() == np.einsum("ij->i", a)[:, None].tobytes()
+    assert row_dot(a, b).tobytes() == np.einsum("ij,ij->i", a, b).tobytes()
+    np.testing.assert_allclose(got[:, 0], a.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)

@@ -612,7 +612,7 @@ def test_large_transcendental_ops_split_over_threads_with_the_same_bits(monkeypa
     a small input stays in one piece."""
     from onnxtrain.engine.kernels import elementwise
 
-    monkeypatch.setattr(elementwise, "_SPLIT_MIN", 1 << 16)  # the test's sizes, not the measured threshold
+    monkeypatch.setattr(elementwise, "SPLIT_MIN", 1 << 16)  # the test's sizes, not the measured threshold
     calls: list[int] = []
     real = parallel.parallel_for
     monkeypatch.setattr(parallel, "parallel_for", lambda n, fn: (calls.append(n), real(n, fn)))

@@ -28,7 +28,7 @@ from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
 from onnxtrain.engine.fusion.shapes import MAX_ENTRIES, ShapeOf, is_memoized
 from onnxtrain.engine.kernels.clamp import relu_into
-from onnxtrain.engine.kernels.elementwise import BITS_INT
+from onnxtrain.engine.kernels.elementwise import BITS_INT, SPLIT_MIN
 from onnxtrain.engine.kernels.indexing import in_range, row_starts, scatter_elements_into
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
@@ -329,7 +329,8 @@ class _ShapeDerived:
         self.entries: dict[tuple, tuple] = {}
 
     def __call__(self, values: Sequence[Any]) -> dict[int, Any]:
-        key = tuple(np.shape(v) if so else id(v) for v, so in zip(values, self.shape_only))
+        key = tuple([(v.shape if type(v) is np.ndarray else np.shape(v)) if so else id(v)
+                     for v, so in zip(values, self.shape_only)])
         hit = self.entries.get(key)
         if hit is not None:
             return hit[1]
@@ -365,6 +366,7 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
     fast = axis in (1, -1) and reduction in ("add", "none")
     add = reduction == "add"
     scatter_run, scale_run = _scatter_over(plan, scatter), _scale_over(plan, mul, pos)
+    plain_exp = exp.fn is find_kernel("Exp", plan.opset)  # (np.exp below its split size)
 
     upd_slot, c_slot, idx_slot = scatter.inputs[2], mul.inputs[1 - pos], scatter.inputs[1]
 
@@ -379,15 +381,17 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
         if derive is not None:
             got = derive(leaves)
             upd, c = got.get(upd_slot, upd), got.get(c_slot, c)
-        p = plan._call(exp, [logp])[0]
+        # below its split size the Exp kernel is np.exp: called here, its result is a new array (it shares no
+        # memory with the updates or the scale)
+        new = (plain_exp and type(logp) is np.ndarray and logp.ndim == 2 and logp.dtype in _FLOATS
+               and logp.size < SPLIT_MIN)
+        p = np.exp(logp) if new else plan._call(exp, [logp])[0]
         at = None
         if (
             fast
-            and type(p) is np.ndarray
-            and p.ndim == 2
-            and p.dtype in _FLOATS
+            and (new or (type(p) is np.ndarray and p.ndim == 2 and p.dtype in _FLOATS and p.flags.writeable))
             and p.size
-            and _own(p)
+            and p.flags.c_contiguous
             and type(idx) is np.ndarray
             and idx.shape == (p.shape[0], 1)
             and type(upd) is np.ndarray
@@ -395,15 +399,16 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             and upd.dtype == p.dtype
             and type(c) is np.ndarray
             and c.dtype == p.dtype
-            and c.ndim <= 2
-            and all(k in (1, m) for k, m in zip(c.shape[::-1], p.shape[::-1]))  # (a per-row weight: (N, 1))
-            and not np.may_share_memory(p, upd)
-            and not np.may_share_memory(p, c)
+            and _broadcasts_2d(c.shape, p.shape)  # (a per-row weight: (N, 1))
+            and (new or not (np.may_share_memory(p, upd) or np.may_share_memory(p, c)))
         ):
             at = _row_offsets(idx.reshape(-1), p.shape)
         if at is not None:  # one index per row: distinct positions
             flat = p.reshape(-1)
-            flat[at] = np.add(flat[at], upd.reshape(-1)) if add else upd.reshape(-1)
+            if add:
+                flat[at] = np.add(flat[at], upd.reshape(-1))
+            else:
+                flat.put(at, upd.reshape(-1))  # (the same assignment as flat[at] = ..., in fewer steps)
             cc = uniform(c) if p.size >= UNIFORM_MIN else c  # (as _scale_over applies it)
             # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
             return (np.multiply(*((p, cc) if pos == 0 else (cc, p)), out=p),)
@@ -414,6 +419,12 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
         return scale_run((d, c) if pos == 0 else (c, d), attrs)
 
     return run
+
+
+def _broadcasts_2d(small: tuple[int, ...], shape: tuple[int, int]) -> bool:
+    """True when an array of shape ``small`` (rank 2 at most) broadcasts onto the 2-D ``shape``."""
+    k = len(small)
+    return (k < 1 or small[-1] in (1, shape[1])) and (k < 2 or (k == 2 and small[0] in (1, shape[0])))
 
 
 def _row_offsets(col: np.ndarray, shape: tuple[int, int]) -> np.ndarray | None:

@@ -124,7 +124,7 @@ COSTLY_WORK = 4  # one value's work, in plain ufunc values (``parallel.MIN_ROWS_
 # fewer values stay in one piece: waking a second thread costs about 100 µs on this VM. A lone float32 Exp,
 # one thread against two (Plan.run alone): 131 K values 93 / 200 µs, 262 K 130 / 249, 524 K 280 / 339,
 # 1 M 498 / 415
-_SPLIT_MIN = 3 << 18
+SPLIT_MIN = 3 << 18
 
 
 def _split_ufunc(fn: Callable[..., Any], x: np.ndarray) -> np.ndarray:
@@ -137,7 +137,7 @@ def _split_ufunc(fn: Callable[..., Any], x: np.ndarray) -> np.ndarray:
 
 def _unary(fn: Callable[..., Any], quiet: bool, costly: bool = False) -> Callable[[Inputs, Attrs], Outputs]:
     def call(x: Any) -> Any:
-        if (costly and type(x) is np.ndarray and x.size >= _SPLIT_MIN and x.dtype.kind == "f"
+        if (costly and type(x) is np.ndarray and x.size >= SPLIT_MIN and x.dtype.kind == "f"
                 and x.flags.c_contiguous and width() > 1):
             return _split_ufunc(fn, x)
         return fn(x)

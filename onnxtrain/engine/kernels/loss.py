@@ -182,10 +182,11 @@ def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
         except OutOfRange as e:
             if ignore_index is None:  # the general path's error (the onnxruntime backend words it so too)
                 raise ValueError(str(e)) from None
-            lean = False  # an ignored target, or one the general path reports
-    if not lean:
-        logp = log_softmax_along(_work(x), 1)
-        loss = _nll(logp, target, weight, attrs).astype(x.dtype, copy=False)
+        else:  # (both in x's dtype)
+            return (loss, logp) if attrs.n_outputs > 1 and attrs.output_used[1] else (loss,)
+        # an ignored target, or one the general path reports
+    logp = log_softmax_along(_work(x), 1)
+    loss = _nll(logp, target, weight, attrs).astype(x.dtype, copy=False)
     if attrs.n_outputs > 1 and attrs.output_used[1]:
         return loss, logp.astype(x.dtype, copy=False)
     return (loss,)

@@ -19,6 +19,11 @@ from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 from onnxtrain.ir.attrs import mvn_axes
 
+try:  # the C function np.einsum calls when not optimizing, without its dispatcher and Python wrapper
+    from numpy._core.multiarray import c_einsum
+except ImportError:  # pragma: no cover - a numpy laid out otherwise
+    c_einsum = np.einsum
+
 _F32 = np.dtype(np.float32)
 
 
@@ -52,14 +57,14 @@ def row_sum(x2: np.ndarray) -> np.ndarray:
     """Sums of the rows of a 2-D array, shape (rows, 1)."""
     if x2.shape[1] >= LONG_ROW:
         return np.add.reduce(x2, axis=1, keepdims=True)
-    return np.einsum("ij->i", x2)[:, None]
+    return c_einsum("ij->i", x2)[:, None]
 
 
 def row_dot(a2: np.ndarray, b2: np.ndarray) -> np.ndarray:
     """Sums of the rows of ``a2 * b2`` (2-D arrays of one shape), shape (rows,)."""
     if a2.shape[1] >= LONG_ROW:
         return np.add.reduce(a2 * b2, axis=1)
-    return np.einsum("ij,ij->i", a2, b2)
+    return c_einsum("ij,ij->i", a2, b2)
 
 
 def row_max(x2: np.ndarray) -> np.ndarray:
