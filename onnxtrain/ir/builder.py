@@ -463,11 +463,45 @@ def _propagates(model: onnx.ModelProto) -> bool:
     return any(n.op_type in ("Shape", "Size") for sub in walk_graphs(g) for n in sub.node)
 
 
+def _for_inference(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
+    """``model`` as shape inference should see it, and whether it should propagate values. Without
+    propagation, the small integer values computed from constants alone (a Reshape's target as a Concat or a
+    Mul of Constants) are given as Constants, whose values inference reads: else the dims of a Reshape that
+    is a graph output, an Expand, a ConstantOfShape or a Resize with such a target were unknown (and the
+    autodiff wrote an Expand's gradient with its axes found at run time)."""
+    if _propagates(model):
+        return model, True
+    return _constants_folded(model), False
+
+
+def _constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose main graph's nodes that compute a small integer value from constants
+    (:meth:`ShapeValues.value`, without ``Shape``: no dims are read) are Constants of that value."""
+    g = model.graph
+    values = ShapeValues(model, {}, model_opset(model), fed_initializers(model))
+    folded: dict[int, np.ndarray] = {}
+    for k, n in enumerate(g.node):
+        if (n.op_type not in ("Constant", "Shape", "Size") and n.domain in DEFAULT_DOMAINS
+                and len(n.output) == 1 and n.output[0]):
+            value = values.value(n.output[0])
+            if value is not None:
+                folded[k] = value
+    if not folded:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)  # (a skeleton: its large float values are inputs)
+    for k, value in folded.items():
+        n = m.graph.node[k]
+        n.CopyFrom(helper.make_node("Constant", [], [n.output[0]], name=n.name,
+                                    value=numpy_helper.from_array(value, f"{n.output[0]}_folded")))
+    return m
+
+
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
                     fallback: onnx.ModelProto | None) -> dict[str, onnx.TypeProto] | None:
     """The types inference gives ``skeleton`` (``model``'s initializers and constants included); where it
     fails, those ``fallback``'s value infos declare, or None without a fallback."""
-    prop = _propagates(skeleton)
+    skeleton, prop = _for_inference(skeleton)
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=True, data_prop=prop)
     except Exception:  # an op inference cannot type, or a declared shape its producer contradicts
@@ -514,8 +548,8 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
             o.type.tensor_type.ClearField("shape")
             o.type.tensor_type.elem_type = 0
     try:
-        prop = _propagates(bare)
-        computed = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=prop).graph
+        inferred, prop = _for_inference(bare)
+        computed = onnx.shape_inference.infer_shapes(inferred, strict_mode=False, data_prop=prop).graph
     except Exception:
         return skeleton
     fresh = {v.name: v.type for v in (*computed.value_info, *computed.output)
