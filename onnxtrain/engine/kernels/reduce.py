@@ -185,10 +185,17 @@ def _bias_sum(x: Any, axes: Any, keepdims: Any) -> np.ndarray | None:
             or axes.size != 1 or x.dtype not in _BLAS_FLOATS or not x.size or not x.flags.c_contiguous
             or axes.item() not in (0, -2)):
         return None
-    return _sum_leading(x, 1, bool(keepdims))
+    # _sum_leading(x, 1, keepdims), inlined
+    if x.size < BLAS_SUM_MIN:
+        return np.add.reduce(x, axis=_AXIS0, dtype=x.dtype, keepdims=bool(keepdims))
+    rows = x.shape[0]
+    ones = _ONES.get((rows, x.dtype))
+    y = (_ones(rows, x.dtype) if ones is None else ones) @ x
+    return y.reshape(1, -1) if keepdims else y
 
 
 _I64 = np.dtype(np.int64)
+_AXIS0 = (0,)
 
 
 def channel_sum(w: np.ndarray, other: np.ndarray | None = None) -> np.ndarray | None:

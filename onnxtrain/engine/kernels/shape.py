@@ -162,6 +162,11 @@ def _axes_of(inputs: Inputs, attrs: Attrs) -> list[int] | None:
 @kernel("Squeeze", since=1)
 def squeeze(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    if len(inputs) == 1:  # no axes input (the attribute's, before opset 13, are the node's): by shape alone
+        shape = attrs.cache.get(x.shape)
+        if shape is None:
+            shape = attrs.cache[x.shape] = _squeezed(x.shape, attrs.get("axes"))
+        return (x.reshape(shape),)
     return (x.reshape(_memo(attrs, (x.shape, _key(_opt_input(inputs, 1))),
                             lambda: _squeezed(x.shape, _axes_of(inputs, attrs)))),)
 
@@ -197,11 +202,18 @@ def _unsqueezed(shape: tuple[int, ...], axes: list[int]) -> tuple[int, ...]:
 @kernel("Flatten", since=1)
 def flatten(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    axis = attrs["axis"]
-    axis = axis + x.ndim if axis < 0 else axis
-    if not 0 <= axis <= x.ndim:
-        raise ValueError(f"Flatten axis {attrs['axis']} is out of range for rank {x.ndim}")
-    return (x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:])),)
+    shape = attrs.cache.get(x.shape)  # (the node's 2-D shape per input shape)
+    if shape is None:
+        shape = attrs.cache[x.shape] = _flattened(x.shape, attrs["axis"])
+    return (x.reshape(shape),)
+
+
+def _flattened(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    """The 2-D shape Flatten gives an input of ``shape`` at ``axis``."""
+    a = axis + len(shape) if axis < 0 else axis
+    if not 0 <= a <= len(shape):
+        raise ValueError(f"Flatten axis {axis} is out of range for rank {len(shape)}")
+    return math.prod(shape[:a]), math.prod(shape[a:])
 
 
 @kernel("Expand", since=8)
