@@ -616,12 +616,16 @@ def build_step_graphs(
 
     clip = update_clips(p, adasum)
 
+    # (shapes only: the halves' closures must not keep the initial weights alive once the session trains
+    # other arrays, e.g. a flat update's buffers)
+    shapes = {wt: tuple(state[wt].shape) for wt in trainable}
+
     def slots_for(eff: dict[str, str]) -> list[WeightSlot]:
         return [
             WeightSlot(
                 wt,
                 eff[wt],
-                tuple(state[wt].shape),
+                shapes[wt],
                 _elem(types, wt),
                 dict(p.optimizer_attributes_map.get(wt, {})),
                 dict(p.optimizer_int_attributes_map.get(wt, {})),

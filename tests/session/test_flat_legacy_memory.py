@@ -1,9 +1,9 @@
 """The legacy session's flat update holds each merged weight and moment once: the arrays the session's state
 held before the merge (the model's weights as read, the moments' initial zeros) are freed once the state
-lives in the groups' buffers. Found held: the weights, by the closure that builds the step's two halves
-(``training_graph``'s ``slots_for`` read the shapes from the initial ``state`` dict it kept): 2.04 MiB of
-the bench transformer's 2.04 MiB of weights held twice (tracemalloc after 60 steps: 32.59 against
-30.51 MiB with the shapes read beforehand)."""
+lives in the groups' buffers. Once held twice (now fixed): the weights, by the closure that builds the step's
+two halves (``training_graph``'s ``slots_for`` read the shapes from the initial ``state`` dict it kept):
+2.04 MiB of the bench transformer's 2.04 MiB of weights (tracemalloc after 60 steps: 32.59 against 30.51 MiB
+with the shapes read beforehand)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,6 @@ def _session_and_replaced(monkeypatch, backend: str) -> tuple[onnxtrain.Training
     return sess, replaced
 
 
-@pytest.mark.xfail(strict=True, reason="training_graph.py's halves closure keeps the initial weights: the "
-                                       "fix (slots_for reading shapes taken beforehand) is the lead's file")
 @pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
 def test_the_arrays_before_the_merge_are_freed(monkeypatch, backend: str) -> None:
     if backend == "onnxruntime":
