@@ -475,3 +475,31 @@ def test_row_sums_are_einsums_bits(dtype, shape) -> None:
     assert got.shape == (shape[0], 1) and got.tobytes() == np.einsum("ij->i", a)[:, None].tobytes()
     assert row_dot(a, b).tobytes() == np.einsum("ij,ij->i", a, b).tobytes()
     np.testing.assert_allclose(got[:, 0], a.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(64,), (3, 5), (2, 3, 4), (), (1,), (300, 70)])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sum_over_every_axis_without_axes_input(shape, keepdims: int, dtype) -> None:
+    """ReduceSum with no axes input (an ignore mask's count) takes the whole-sum route: the general path's
+    bits (the opset-11 form with every axis listed; a scalar's own value), float64's values, NaN, ±inf and
+    -0.0 among them; an empty input, half precision and noop_with_empty_axes go the general way."""
+    from onnxtrain.engine.kernels import reduce
+
+    x = np.asarray(np.random.default_rng(len(shape)).standard_normal(shape) * 1e3, dtype)
+    if x.size > 4:
+        x.reshape(-1)[:4] = [np.nan, -0.0, 1e30, -1e30]
+    attrs = {"keepdims": keepdims, "noop_with_empty_axes": 0}
+    assert reduce._whole_sum(x, attrs) is not None
+    (got,) = _ours("ReduceSum", [x], 13, keepdims=keepdims)
+    (general,) = _ours("ReduceSum", [x], 11, keepdims=keepdims,
+                       **({"axes": list(range(x.ndim))} if x.ndim else {}))
+    assert got.dtype == general.dtype == dtype and got.shape == general.shape
+    assert got.tobytes() == general.tobytes()
+    if x.size <= 4:
+        np.testing.assert_allclose(got.reshape(-1), x.astype(np.float64).sum(), rtol=1e-6)
+    for other, a in ((np.ones((0, 3), dtype), attrs), (np.ones(4, np.float16), attrs),
+                     (x, {"keepdims": keepdims, "noop_with_empty_axes": 1})):
+        assert reduce._whole_sum(other, a) is None
+    (noop,) = _ours("ReduceSum", [x], 13, keepdims=keepdims, noop_with_empty_axes=1)
+    assert noop.tobytes() == x.tobytes()
