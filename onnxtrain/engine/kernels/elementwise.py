@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 from onnxtrain.engine.kernels import buffering, half_cast
 from onnxtrain.engine.kernels.clamp import clip_ufunc
 from onnxtrain.engine.kernels.half import F32, is_half
+from onnxtrain.engine.kernels.spread import MIN_VALUES as MIN_SPREAD
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
@@ -95,12 +96,24 @@ def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
     return (a, wide) if big is a else (wide, b)
 
 
+# operands whose sizes multiply to fewer values make a result below both spread.MIN_VALUES and
+# buffering.MIN_VALUES (a broadcast result has at most that many values)
+SMALL_OPERANDS = min(MIN_SPREAD, buffering.MIN_VALUES)
+
+
 def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     half = half_cast.ViaSingle(fn) if fn in half_cast.ROUNDED_ONCE else None
     compares = fn in _COMPARISONS
+    halves = half is not None or compares  # two float16 operands go through float32
 
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
-        if (half is not None or compares) and _both_half(inputs[0], inputs[1]):
+        a, b = inputs[0], inputs[1]
+        if (type(a) is np.ndarray and type(b) is np.ndarray and a.size * b.size < SMALL_OPERANDS
+                and not (halves and a.dtype == half_cast.HALF == b.dtype)):
+            # a result this small is neither spread nor buffered (below): the ufunc alone
+            r = fn(a, b)
+            return (r if type(r) is np.ndarray else np.asarray(r),)
+        if halves and _both_half(a, b):
             a, b = inputs
             if half is not None:
                 return (half(a, b),)
