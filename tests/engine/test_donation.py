@@ -330,3 +330,31 @@ def test_an_update_with_no_need_of_blocks_or_threads_still_writes_into_donated_i
     (prog,) = small.steps[-1].fn.programs.values()
     assert prog[5] is None and prog[6] is None and w_new is not given["W"]
     np.testing.assert_array_equal(w_new, want[0])
+
+
+def test_which_donated_feeds_a_run_may_overwrite() -> None:
+    """donatable / donated_slots keep a donated array only when it is a writeable, C-contiguous array owning
+    its memory, fed once, and no other feed is a view of it; in the order of ``donate``; a missing name is a
+    ValueError naming every missing one."""
+    from onnxtrain.engine.donation import donatable, donated_slots
+
+    rng = np.random.default_rng(0)
+    a, b, c, d, e = (rng.standard_normal(6).astype(np.float32) for _ in range(5))
+    ro = rng.standard_normal(6).astype(np.float32)
+    ro.flags.writeable = False
+    feeds = {"a": a, "b": b, "b2": b, "c": c, "cv": c[1:], "d": d, "e": e, "ro": ro, "v": d[::2],
+             "f": np.asfortranarray(np.ones((3, 2))), "s": np.float32(2), "n": 3}
+    donate = ["e", "a", "b", "c", "f", "ro", "v", "s", "n", "a"]
+    got = donatable(feeds, donate)
+    assert list(got) == ["e", "a"] and got["e"] is e and got["a"] is a
+    assert donatable(feeds, ["d"]) == {}  # the base of another feed (v)
+    assert donatable({"d": d}, ["d"])["d"] is d
+    assert donatable(feeds, ["b2"]) == {}  # one array under two names, either donated
+
+    class _Plan:
+        slot = {n: i for i, n in enumerate(feeds)}
+
+    slots = donated_slots(_Plan, feeds, donate)
+    assert list(slots) == [_Plan.slot["e"], 0] and slots[_Plan.slot["e"]] is e and slots[0] is a
+    with pytest.raises(ValueError, match=r"\['x', 'y'\]"):
+        donated_slots(_Plan, feeds, ["a", "x", "y"])
