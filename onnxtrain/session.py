@@ -256,7 +256,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         # a loss scale the model's own scaled loss reads (scaled_loss_output_name) may be fed 0-d, as that
         # input was declared; the step graphs take it as [1]
         self._scale_as_one = mp is not None and bool(p.scaled_loss_output_name)
-        self._store: dict[str, np.ndarray] = dict(g.initial_state)
+        self._store: dict[str, np.ndarray] = g.initial_state  # (one dict: no stale arrays kept beside it)
         self._specs = list(g.state_specs)
         self._zero: ZeroLayout | None = None
         self._extra_models: dict[str, onnx.ModelProto] = {}

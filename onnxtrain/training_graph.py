@@ -66,7 +66,10 @@ class StepGraphs:
     gradient: onnx.ModelProto  # the gradient graph alone (for the dump)
     transformed: onnx.ModelProto  # the forward model after our rewrites (for the dump)
     trainable: list[str]
-    initial_state: dict[str, np.ndarray]  # every state tensor: weights, buffers, optimizer state, BN stats
+    # every state tensor: weights, buffers, optimizer state, BN stats. The session's store is this dict
+    # itself (a copy beside it would keep each array a step replaces alive): after the build it holds the
+    # trained values
+    initial_state: dict[str, np.ndarray]
     # the optimizer's state tensors; each spec's initial array is initial_state's own (the session trains it
     # in place): read only their shapes and dtypes
     state_specs: list[StateSpec] = field(default_factory=list)

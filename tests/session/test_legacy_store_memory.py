@@ -1,7 +1,8 @@
 """A legacy session holds its weights and moments once: where a step gives a state tensor a new array (the
-numpy engine's update of a small weight is not written in place), the array it replaced is freed. Found held:
-``StepGraphs.initial_state``, of which the session's store was a copy, kept every replaced array of the first
-step (the bench's LeNet 0.71 MiB, its MLP 0.07 MiB, measured with weak references after 6 steps)."""
+numpy engine's update of a small weight is not written in place), the array it replaced is freed. Once held
+(now fixed): ``StepGraphs.initial_state``, of which the session's store was a copy, kept every replaced array
+of the first step (the bench's LeNet 0.71 MiB, its MLP 0.07 MiB, measured with weak references after 6
+steps)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,8 @@ import pytest
 import onnxtrain
 from tests.session.helpers import mlp_model, params
 
-_KEPT = pytest.mark.xfail(strict=True, reason="session.py (not this helper's file) keeps "
-                          "StepGraphs.initial_state beside its store: patch /work/s107/b_session_store.patch")
 
-
-@pytest.mark.parametrize("backend", [pytest.param("numpy", marks=_KEPT), "onnxruntime"])
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
 def test_replaced_weights_and_moments_are_freed(backend: str) -> None:
     if backend == "onnxruntime":
         pytest.importorskip("onnxruntime")
