@@ -79,6 +79,9 @@ class FlatLegacyUpdate:
         # a clipped update's norm reads every weight's gradient: the merged ones are fed as views too
         self.per_weight_grads = any(f"{w}_grad" in graph_inputs for grp in groups if grp.merged
                                     for w in grp.weights)
+        # the onnxruntime backend's new step counts go into arrays kept here (a Split makes them: they cannot
+        # be written into the inputs), so that every output of a run has its array (see :meth:`step`)
+        self.count_arrays: dict[str, np.ndarray] | None = None
 
     @classmethod
     def build(cls, session: TrainingSession, min_merged: int = 2) -> FlatLegacyUpdate | None:
@@ -144,6 +147,9 @@ class FlatLegacyUpdate:
         plan = session._new_plan(model, {o: x for x, o in upd.items()}, keep_binding=True, follower=True,
                                  scalar_inputs=scalars)
         flat = cls(model, plan, groups, upd, elementwise, counts, lr)
+        if session._backend != "numpy":
+            flat.count_arrays = {upd[grp.flat_state[k]]: np.empty_like(store[grp.state[k][0]])
+                                 for grp in groups for k in counts}
         for grp in groups:  # the state moves into the buffers now, before any plan binds its arrays; the
             # initial state's references go too (else they would keep the old arrays alive: 3 MiB of the GPT
             # decoder's peak RSS)
@@ -167,7 +173,7 @@ class FlatLegacyUpdate:
             if grp.merged:
                 for key in self.counts:
                     first, *rest = (store[n] for n in grp.state[key])
-                    if any(not np.array_equal(first, x) for x in rest):
+                    if not all(_same_count(first, x) for x in rest):
                         return False
         return True
 
@@ -199,12 +205,17 @@ class FlatLegacyUpdate:
                     feeds[grp.flat_state[key]] = store[names[0]]
             donate += [grp.name, *(grp.flat_state[k] for k in self.elementwise)]
         names = list(self.outputs)
-        results = dict(zip(names, self.plan.run(feeds, [self.outputs[n] for n in names], donate=donate)))
+        kw = {"reuse": self.count_arrays} if self.count_arrays is not None else {}
+        results = dict(zip(names, self.plan.run(feeds, [self.outputs[n] for n in names], donate=donate,
+                                                 **kw)))
         for grp in self.groups:
             if not grp.merged:
                 store[grp.name] = results[grp.name]
                 for key, states in grp.state.items():
-                    store[states[0]] = results[grp.flat_state[key]]
+                    if key in self.elementwise:
+                        store[states[0]] = results[grp.flat_state[key]]
+                    else:
+                        _count_into(store, states, results[grp.flat_state[key]])
                 continue
             _into(grp.flat, results[grp.name])
             for key, states in grp.state.items():
@@ -212,8 +223,7 @@ class FlatLegacyUpdate:
                 if key in self.elementwise:
                     _into(grp.buffers[key], new)
                 else:  # a step count: each member its own array
-                    for s in states:
-                        store[s] = new.copy()
+                    _count_into(store, states, new)
 
     def _allocate(self, grp: _Group) -> None:
         if grp.flat is not None:
@@ -243,6 +253,27 @@ class FlatLegacyUpdate:
                 store[n] = view
                 if aliases is not None and aliases.get(n) is old:
                     aliases[n] = view
+
+
+def _same_count(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two step counts are equal (integer arrays: their bytes, cheaper than ``np.array_equal``)."""
+    if a.dtype.kind not in "iu" or b.dtype != a.dtype:
+        return bool(np.array_equal(a, b))
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _count_into(store: dict[str, np.ndarray], states: list[str], new: np.ndarray) -> None:
+    """The new step count ``new`` made each member's of ``states``: written into a member's array when the
+    session owns it whole (the array the next step feeds again: onnxruntime keeps it bound), else a copy."""
+    for s in states:
+        cur = store[s]
+        if cur is new:
+            continue
+        if (type(cur) is np.ndarray and cur.base is None and cur.flags.writeable and cur.shape == new.shape
+                and cur.dtype == new.dtype):
+            np.copyto(cur, new)
+        else:
+            store[s] = new.copy()
 
 
 def _into(target: np.ndarray, value: np.ndarray) -> None:

@@ -564,3 +564,38 @@ def test_numpy_halves_after_loads_as_the_single_graph(monkeypatch) -> None:
         s.load_state(other.get_state())
     assert halves._flat.applies(halves._store)
     _same(halves, single, _train(halves, 3, seed=7), _train(single, 3, seed=7))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numpy"])
+def test_step_counts_stay_in_the_sessions_arrays(monkeypatch, backend: str) -> None:
+    """The flat update's new step counts are written into the session's own count arrays (on the backend
+    from arrays the update keeps, so that every output of its run has an array and its binding stays from
+    step to step), with the per-weight graph's bits; arrays handed out before (get_state's, the optimizer's
+    initial state given by the caller) keep their values."""
+    if backend == "numpy":
+        monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)
+    monkeypatch.setattr(session_flat, "SINGLE_MIN", 200)  # W1 keeps its arrays: a group of one, a merged one
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    p = params("AdamOptimizer", enable_grad_norm_clip=False)
+    given = {"W1": {"Update_Count": np.array([3], np.int64)}, "b2": {"Update_Count": np.array([3], np.int64)},
+             "W2": {"Update_Count": np.array([3], np.int64)}, "b1": {"Update_Count": np.array([3], np.int64)}}
+    p.set_optimizer_initial_state(given)
+    flat = onnxtrain.TrainingSession(mlp_model(din=12, dh=20, dout=5).SerializeToString(), p, so)
+    assert flat._halves and [(len(g.weights), g.merged) for g in flat._flat.groups] == [(1, False), (3, True)]
+    so0 = onnxtrain.SessionOptions()
+    so0.add_session_config_entry("onnxtrain.backend", backend)
+    so0.add_session_config_entry("onnxtrain.flat_update", "0")
+    perw = onnxtrain.TrainingSession(mlp_model(din=12, dh=20, dout=5).SerializeToString(), p, so0)
+    before = flat.get_state()
+    counts = {k: v for k, v in flat._store.items() if k.startswith("Update_Count")}
+    got, want = _train(flat, 2), _train(perw, 2)
+    assert all(flat._store[k] is v for k, v in counts.items())  # the same arrays, stepped in place
+    got += _train(flat, 2, seed=6)
+    want += _train(perw, 2, seed=6)
+    _same(flat, perw, got, want)
+    assert all(flat.get_state()[k][0] == 7 for k in counts)
+    assert all(before[k][0] == 3 for k in counts) and all(d["Update_Count"][0] == 3 for d in given.values())
+    if backend == "onnxruntime":  # every output of the update's run written into an array given to it
+        plan = flat._flat.plan
+        assert plan._kept is not None and set(plan._kept.outputs) == set(plan.output_names)
