@@ -57,8 +57,10 @@ def _reshape_target(xshape: tuple[int, ...], shape: Any, allowzero: bool) -> tup
 @kernel("Reshape", since=5)
 def reshape(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, shape = inputs[0], inputs[1]
-    target = _memo(attrs, (x.shape, _key(shape)),
-                   lambda: _reshape_target(x.shape, shape, bool(attrs.get("allowzero"))))
+    key = (x.shape, shape.tobytes() if type(shape) is np.ndarray else _key(shape))  # (_key's, inlined)
+    target = attrs.cache.get(key)
+    if target is None:
+        target = attrs.cache[key] = _reshape_target(x.shape, shape, bool(attrs.get("allowzero")))
     if not x.flags.c_contiguous:  # a view numpy would copy to reshape: a Transpose's by tiles if it can
         try:
             return (x.reshape(target, copy=False),)
@@ -95,15 +97,24 @@ def _split_sizes(dim: int, split: Any, n: int) -> list[int]:
 @kernel("Split", since=2)
 def split(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    axis = _axis(attrs["axis"], x.ndim)
     sp = _opt_input(inputs, 1)
+    # the parts' indices per input shape and split input (an attribute's split is the node's own)
+    key = (x.shape, None if sp is None else sp.tobytes() if type(sp) is np.ndarray else _key(sp))
+    index = attrs.cache.get(key)
+    if index is None:
+        index = attrs.cache[key] = _split_parts(x.shape, sp, attrs)
+    return tuple([x[i] for i in index])
+
+
+def _split_parts(shape: tuple[int, ...], sp: Any, attrs: Attrs) -> list[tuple[slice, ...]]:
+    """The index of each of Split's parts of an input of ``shape`` (``sp``: the split input, or None)."""
+    axis = _axis(attrs["axis"], len(shape))
     if sp is None:
         sp = attrs.get("split")  # opsets < 13 carry it as an attribute
     n = attrs.get("num_outputs") or attrs.n_outputs
-    if sp is None and attrs.get("num_outputs") is None and x.shape[axis] % n:
-        raise ValueError(f"dimension {x.shape[axis]} does not split into {n} equal parts")
-    index = _memo(attrs, (x.shape, _key(sp)), lambda: _split_index(x.shape[axis], axis, sp, n))
-    return tuple(x[i] for i in index)
+    if sp is None and attrs.get("num_outputs") is None and shape[axis] % n:
+        raise ValueError(f"dimension {shape[axis]} does not split into {n} equal parts")
+    return _split_index(shape[axis], axis, sp, n)
 
 
 def _split_index(dim: int, axis: int, sp: Any, n: int) -> list[tuple[slice, ...]]:
