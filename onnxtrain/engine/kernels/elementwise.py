@@ -815,7 +815,29 @@ def cast(inputs: Inputs, attrs: Attrs) -> Outputs:
         sat = attrs.get("saturate")
         c["args"] = (to, sat is None or bool(sat), attrs.get("round_mode") or "up",
                      None if to == TensorProto.STRING else np.dtype(helper.tensor_dtype_to_np_dtype(to)))
-    return (_arr(cast_to(inputs[0], *c["args"])),)
+        c["plain"] = {}  # source dtype → whether its conversion is numpy's own astype (_plain_cast)
+    x = inputs[0]
+    if type(x) is np.ndarray:
+        known = c["plain"]
+        plain = known.get(x.dtype)
+        if plain is None:
+            plain = known[x.dtype] = _plain_cast(x.dtype, c["args"][0], c["args"][3])
+        if plain:
+            return (x.astype(c["args"][3]),)
+    return (_arr(cast_to(x, *c["args"])),)
+
+
+_PLAIN_KINDS = frozenset("biuf")
+
+
+def _plain_cast(src: np.dtype, to: int, dt: np.dtype | None) -> bool:
+    """True when :func:`cast_to` converts ``src`` to ``dt`` (the ONNX type ``to``) by ``astype`` alone: two
+    different numpy bool/integer/float types (not float16's own routes, float8, E8M0 or strings), and no float
+    source cast to an integer (cast_to quiets numpy's warnings there)."""
+    return (dt is not None and src != dt and src.kind in _PLAIN_KINDS and dt.kind in _PLAIN_KINDS
+            and (src.kind != "f" or src in _NUMPY_FLOATS) and (dt.kind != "f" or dt in _NUMPY_FLOATS)
+            and not (src.kind == "f" and dt.kind in "iub") and to not in _F8_MAX and to != _E8M0
+            and half_cast.HALF not in (src, dt))
 
 
 @kernel("CastLike", since=15)
