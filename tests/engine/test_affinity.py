@@ -71,7 +71,7 @@ def test_helpers_get_cpus_of_their_own_and_a_run_the_first() -> None:
 def test_runs_back_to_back_are_each_placed() -> None:
     # Skipping the pin of a run that starts soon after the thread's last placed run ended saved under 1 % of
     # the bench MLP's step and left the thread unplaced for whole runs under load (bench/HISTORY.md,
-    # 2026-12-07 10:30): every run is placed, however close to the one before.
+    # 2026-12-07 10:28): every run is placed, however close to the one before.
     lines = _python("""
         seen = []
         real = affinity.os.sched_setaffinity
