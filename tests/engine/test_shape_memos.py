@@ -127,3 +127,31 @@ def test_reshape_by_input_shape_and_target(allowzero: int) -> None:
             continue
         got = plan.run(feeds)[0]
         assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("op", ["Squeeze", "Unsqueeze"])
+def test_axes_input_by_input_shape_and_axes(op: str) -> None:
+    """Squeeze and Unsqueeze with an axes input, kept per input shape and axes: reference's shapes and views
+    over inputs and axes that change between runs (negative axes too), and the errors of bad axes."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    g = helper.make_graph([helper.make_node(op, ["x", "a"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", f, None),
+                           helper.make_tensor_value_info("a", i64, None)],
+                          [helper.make_tensor_value_info("y", f, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    plan, ref = Plan(m), ReferenceEvaluator(m)
+    rng = np.random.default_rng(4)
+    cases = [((3, 1, 4), [1]), ((1, 5, 1), [0, -1]), ((3, 1, 4), [-2]), ((3, 1, 4), [1]), ((2, 3), [0]),
+             ((2, 3), [5])]
+    for shape, axes in cases:
+        feeds = {"x": rng.standard_normal(shape).astype(np.float32), "a": np.array(axes, np.int64)}
+        rank = len(shape) + (len(axes) if op == "Unsqueeze" else 0)
+        valid = all(-rank <= a < rank for a in axes) and (
+            op == "Unsqueeze" or all(shape[a] == 1 for a in axes))
+        if not valid:
+            with pytest.raises(EngineError):
+                plan.run(feeds)
+            continue
+        got, want = plan.run(feeds)[0], ref.run(None, feeds)[0]
+        assert got.shape == want.shape and got.tobytes() == want.tobytes()
+        assert np.shares_memory(got, feeds["x"])

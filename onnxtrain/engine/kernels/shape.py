@@ -178,8 +178,12 @@ def squeeze(inputs: Inputs, attrs: Attrs) -> Outputs:
         if shape is None:
             shape = attrs.cache[x.shape] = _squeezed(x.shape, attrs.get("axes"))
         return (x.reshape(shape),)
-    return (x.reshape(_memo(attrs, (x.shape, _key(_opt_input(inputs, 1))),
-                            lambda: _squeezed(x.shape, _axes_of(inputs, attrs)))),)
+    a = inputs[1]
+    key = (x.shape, a.tobytes() if type(a) is np.ndarray else _key(a))  # (the node memo, looked up directly)
+    shape = attrs.cache.get(key)
+    if shape is None:
+        shape = attrs.cache[key] = _squeezed(x.shape, _axes_of(inputs, attrs))
+    return (x.reshape(shape),)
 
 
 def _squeezed(shape: tuple[int, ...], axes: list[int] | None) -> tuple[int, ...]:
@@ -195,8 +199,12 @@ def _squeezed(shape: tuple[int, ...], axes: list[int] | None) -> tuple[int, ...]
 @kernel("Unsqueeze", since=1)
 def unsqueeze(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (x.reshape(_memo(attrs, (x.shape, _key(_opt_input(inputs, 1))),
-                            lambda: _unsqueezed(x.shape, _axes_of(inputs, attrs) or []))),)
+    a = inputs[1] if len(inputs) > 1 else None
+    key = (x.shape, a.tobytes() if type(a) is np.ndarray else _key(a))  # (the node memo, looked up directly)
+    shape = attrs.cache.get(key)
+    if shape is None:
+        shape = attrs.cache[key] = _unsqueezed(x.shape, _axes_of(inputs, attrs) or [])
+    return (x.reshape(shape),)
 
 
 def _unsqueezed(shape: tuple[int, ...], axes: list[int]) -> tuple[int, ...]:
