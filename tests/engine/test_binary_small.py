@@ -46,3 +46,26 @@ def test_small_and_large_binary_operands(op: str, dtype, shapes) -> None:
     got, want = _run(op, a, b), _oracle(op, a, b)
     assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.bool_])
+@pytest.mark.parametrize("shapes", [((64,), (), ()), ((64, 1), (1, 10), (64, 10)), ((), (3,), ()),
+                                    ((8192,), (8192,), ()), ((64, 128), (64, 128), (1,))])
+def test_where_small_and_large(dtype, shapes) -> None:
+    """Where below SELECT_MASK_MIN values calls np.where itself, past it selects by bit masks: np.where's
+    values and type either way (NaN and -0.0 among float values, broadcast conditions and branches)."""
+    rng = np.random.default_rng(sum(map(len, shapes)))
+    c = rng.random(shapes[0]) < 0.5
+    a, b = ((rng.standard_normal(s) * 4).astype(dtype) for s in shapes[1:])
+    if np.dtype(dtype).kind == "f" and a.size >= 2:
+        a.reshape(-1)[:2] = [np.nan, -0.0]
+    t = helper.np_dtype_to_tensor_dtype
+    g = helper.make_graph([helper.make_node("Where", ["c", "a", "b"], ["y"])], "g",
+                          [helper.make_tensor_value_info(n, t(v.dtype), None)
+                           for n, v in (("c", c), ("a", a), ("b", b))],
+                          [helper.make_tensor_value_info("y", t(a.dtype), None)])
+    plan = Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    got = plan.run({"c": c, "a": a, "b": b})[0]
+    want = np.where(c, a, b)
+    assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()

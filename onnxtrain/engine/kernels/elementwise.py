@@ -673,7 +673,11 @@ def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
 
 @kernel("Where", since=9)
 def where(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return (select(inputs[0], inputs[1], inputs[2]),)
+    c, a, b = inputs
+    if (type(a) is np.ndarray and type(b) is np.ndarray and type(c) is np.ndarray
+            and max(c.size, a.size, b.size) < SELECT_MASK_MIN):
+        return (np.where(c, a, b),)  # (select's own choice for so few values)
+    return (select(c, a, b),)
 
 
 @kernel("Identity", since=1)
