@@ -814,21 +814,24 @@ def _as_strings(x: np.ndarray) -> np.ndarray:
 @kernel("Cast", since=6)
 def cast(inputs: Inputs, attrs: Attrs) -> Outputs:
     c = attrs.cache
-    if not c:
+    args = c.get("args")
+    if args is None:
         to = attrs["to"]
         sat = attrs.get("saturate")
-        c["args"] = (to, sat is None or bool(sat), attrs.get("round_mode") or "up",
-                     None if to == TensorProto.STRING else np.dtype(helper.tensor_dtype_to_np_dtype(to)))
+        args = (to, sat is None or bool(sat), attrs.get("round_mode") or "up",
+                None if to == TensorProto.STRING else np.dtype(helper.tensor_dtype_to_np_dtype(to)))
+        # "plain" first: another thread running this node reads it once it sees "args"
         c["plain"] = {}  # source dtype → whether its conversion is numpy's own astype (_plain_cast)
+        c["args"] = args
     x = inputs[0]
     if type(x) is np.ndarray:
         known = c["plain"]
         plain = known.get(x.dtype)
         if plain is None:
-            plain = known[x.dtype] = _plain_cast(x.dtype, c["args"][0], c["args"][3])
+            plain = known[x.dtype] = _plain_cast(x.dtype, args[0], args[3])
         if plain:
-            return (x.astype(c["args"][3]),)
-    return (_arr(cast_to(x, *c["args"])),)
+            return (x.astype(args[3]),)
+    return (_arr(cast_to(x, *args)),)
 
 
 _PLAIN_KINDS = frozenset("biuf")
