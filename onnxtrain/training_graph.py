@@ -67,8 +67,8 @@ class StepGraphs:
     transformed: onnx.ModelProto  # the forward model after our rewrites (for the dump)
     trainable: list[str]
     # every state tensor: weights, buffers, optimizer state, BN stats. The session's store is this dict
-    # itself (a copy beside it would keep each array a step replaces alive): after the build it holds the
-    # trained values
+    # itself (a copy beside it would keep each array a step replaces alive): once the session trains, it holds
+    # the trained values, not the initial ones
     initial_state: dict[str, np.ndarray]
     # the optimizer's state tensors; each spec's initial array is initial_state's own (the session trains it
     # in place): read only their shapes and dtypes
