@@ -15,7 +15,7 @@ import pytest
 
 import onnxtrain
 from onnxtrain import session_flat, session_halves
-from tests.session.helpers import mlp_model, params
+from tests.session.helpers import batches, mlp_model, params
 
 
 def _session_and_replaced(monkeypatch, backend: str) -> tuple[onnxtrain.TrainingSession, dict]:
@@ -47,10 +47,7 @@ def test_the_arrays_before_the_merge_are_freed(monkeypatch, backend: str) -> Non
     sess, replaced = _session_and_replaced(monkeypatch, backend)
     assert sess._flat is not None and [len(g.weights) for g in sess._flat.groups] == [4]
     assert len(replaced) == 12  # 4 weights, 2 moments each
-    rng = np.random.default_rng(0)
-    for _ in range(2):
-        sess.run(["loss"], {"x": rng.standard_normal((4, 8)).astype(np.float32),
-                            "y": rng.integers(0, 4, 4).astype(np.int64),
-                            "Learning_Rate": np.array([0.01], np.float32)})
+    for x, y in batches(2, 4):
+        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32)})
     gc.collect()
     assert sorted(n for n, r in replaced.items() if r() is not None) == []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import onnxtrain
-from tests.session.helpers import mlp_model, params
+from tests.session.helpers import batches, mlp_model, params
 
 
 @pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
@@ -30,11 +30,8 @@ def test_replaced_weights_and_moments_are_freed(backend: str) -> None:
                if a.dtype.kind == "f" and any(k == w or k.endswith(f"_{w}") and a.shape == shapes[w]
                                               for w in weights)}
     assert len(tracked) == 3 * len(weights)
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-        sess.run(["loss"], {"x": rng.standard_normal((4, 8)).astype(np.float32),
-                            "y": rng.integers(0, 4, 4).astype(np.int64),
-                            "Learning_Rate": np.array([0.01], np.float32)})
+    for x, y in batches(3, 4):
+        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32)})
     gc.collect()
     held = [k for k, (ref, ident) in tracked.items() if ref() is not None and id(sess._store[k]) != ident]
     assert held == []
