@@ -31,6 +31,8 @@ def _opt_input(inputs: Inputs, i: int) -> Any:
 
 def _key(v: Any) -> Any:
     """A hashable cache key for an optional small int tensor input."""
+    if type(v) is np.ndarray:  # (the usual case first: a node's memo key is built on every run)
+        return v.tobytes()
     return None if v is None else v.tobytes() if isinstance(v, np.ndarray) else tuple(_ints(v))
 
 
@@ -57,7 +59,7 @@ def _reshape_target(xshape: tuple[int, ...], shape: Any, allowzero: bool) -> tup
 @kernel("Reshape", since=5)
 def reshape(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, shape = inputs[0], inputs[1]
-    key = (x.shape, shape.tobytes() if type(shape) is np.ndarray else _key(shape))  # (_key's, inlined)
+    key = (x.shape, _key(shape))
     target = attrs.cache.get(key)
     if target is None:
         target = attrs.cache[key] = _reshape_target(x.shape, shape, bool(attrs.get("allowzero")))
@@ -99,7 +101,7 @@ def split(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     sp = _opt_input(inputs, 1)
     # the parts' indices per input shape and split input (an attribute's split is the node's own)
-    key = (x.shape, None if sp is None else sp.tobytes() if type(sp) is np.ndarray else _key(sp))
+    key = (x.shape, _key(sp))
     index = attrs.cache.get(key)
     if index is None:
         index = attrs.cache[key] = _split_parts(x.shape, sp, attrs)
@@ -179,7 +181,7 @@ def squeeze(inputs: Inputs, attrs: Attrs) -> Outputs:
             shape = attrs.cache[x.shape] = _squeezed(x.shape, attrs.get("axes"))
         return (x.reshape(shape),)
     a = inputs[1]
-    key = (x.shape, a.tobytes() if type(a) is np.ndarray else _key(a))  # (the node memo, looked up directly)
+    key = (x.shape, _key(a))  # (the node memo, looked up directly)
     shape = attrs.cache.get(key)
     if shape is None:
         shape = attrs.cache[key] = _squeezed(x.shape, _axes_of(inputs, attrs))
@@ -200,7 +202,7 @@ def _squeezed(shape: tuple[int, ...], axes: list[int] | None) -> tuple[int, ...]
 def unsqueeze(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     a = inputs[1] if len(inputs) > 1 else None
-    key = (x.shape, a.tobytes() if type(a) is np.ndarray else _key(a))  # (the node memo, looked up directly)
+    key = (x.shape, _key(a))  # (the node memo, looked up directly)
     shape = attrs.cache.get(key)
     if shape is None:
         shape = attrs.cache[key] = _unsqueezed(x.shape, _axes_of(inputs, attrs) or [])
