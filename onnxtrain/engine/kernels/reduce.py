@@ -157,11 +157,17 @@ def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | 
     return _sum_leading(w, k, keepdims)
 
 
+_AXIS0 = (0,)
+
+
 def _sum_leading(w: np.ndarray, k: int, keepdims: bool) -> np.ndarray:
     """The sum over the first ``k`` axes of a contiguous float32/64 array (the callers check that): numpy's
     own sum below :data:`BLAS_SUM_MIN` values (as np.sum computes it), else a product with ones."""
     if w.size < BLAS_SUM_MIN:
-        return np.add.reduce(w, axis=tuple(range(k)), dtype=w.dtype, keepdims=keepdims)
+        return np.add.reduce(w, axis=_AXIS0 if k == 1 else tuple(range(k)), dtype=w.dtype, keepdims=keepdims)
+    if k == 1 and w.ndim == 2:  # (a bias's gradient, in each training step: no reshapes)
+        y = _ones(w.shape[0], w.dtype) @ w
+        return y.reshape(1, -1) if keepdims else y
     rows = math.prod(w.shape[:k])
     y = _ones(rows, w.dtype) @ w.reshape(rows, -1)
     return y.reshape((1,) * k + w.shape[k:] if keepdims else w.shape[k:])
@@ -191,17 +197,10 @@ def _bias_sum(x: Any, axes: Any, keepdims: Any) -> np.ndarray | None:
             or axes.size != 1 or x.dtype not in _BLAS_FLOATS or not x.size or not x.flags.c_contiguous
             or axes.item() not in (0, -2)):
         return None
-    # _sum_leading(x, 1, keepdims), inlined
-    if x.size < BLAS_SUM_MIN:
-        return np.add.reduce(x, axis=_AXIS0, dtype=x.dtype, keepdims=bool(keepdims))
-    rows = x.shape[0]
-    ones = _ONES.get((rows, x.dtype))
-    y = (_ones(rows, x.dtype) if ones is None else ones) @ x
-    return y.reshape(1, -1) if keepdims else y
+    return _sum_leading(x, 1, bool(keepdims))
 
 
 _I64 = np.dtype(np.int64)
-_AXIS0 = (0,)
 
 
 def _whole_sum(x: Any, attrs: Attrs) -> np.ndarray | None:
