@@ -635,8 +635,11 @@ SELECT_MASK_MIN = 8192
 
 def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
     """``np.where(c, a, b)`` for a bool ``c`` and same-dtype ``a`` and ``b``, by bit masks."""
-    a, b = np.asarray(a), np.asarray(b)
-    if c.dtype != np.bool_ or a.dtype != b.dtype or max(c.size, a.size, b.size) < SELECT_MASK_MIN:
+    if type(a) is not np.ndarray:  # (a Where kernel's operands are arrays: no asarray calls in its steps)
+        a = np.asarray(a)
+    if type(b) is not np.ndarray:
+        b = np.asarray(b)
+    if max(c.size, a.size, b.size) < SELECT_MASK_MIN or c.dtype != np.bool_ or a.dtype != b.dtype:
         return np.where(c, a, b)
     shape = np.broadcast_shapes(c.shape, a.shape, b.shape)
     if c.size == 1:  # one flag picks a whole input
@@ -673,11 +676,7 @@ def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
 
 @kernel("Where", since=9)
 def where(inputs: Inputs, attrs: Attrs) -> Outputs:
-    c, a, b = inputs
-    if (type(a) is np.ndarray and type(b) is np.ndarray and type(c) is np.ndarray
-            and max(c.size, a.size, b.size) < SELECT_MASK_MIN):
-        return (np.where(c, a, b),)  # (select's own choice for so few values)
-    return (select(c, a, b),)
+    return (select(inputs[0], inputs[1], inputs[2]),)
 
 
 @kernel("Identity", since=1)
