@@ -101,11 +101,16 @@ def keeps_dims(red: Step) -> bool:
 
 
 def broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """True when an array of shape ``small`` broadcasts to ``shape`` without enlarging it."""
-    try:
-        return np.broadcast_shapes(small, shape) == shape
-    except ValueError:
+    """True when an array of shape ``small`` broadcasts to ``shape`` without enlarging it: no more axes, and
+    each of its trailing dims 1 or ``shape``'s (plain Python: fused steps check it on every run)."""
+    k = len(small)
+    if k > len(shape):
         return False
+    for i in range(1, k + 1):
+        s = small[-i]
+        if s != 1 and s != shape[-i]:
+            return False
+    return True
 
 
 SWAP01 = (1, 0)  # a Transpose's perm that swaps the first two axes (and keeps the rest), for transposes_by

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.donation import FRESH_OPS
-from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
+from onnxtrain.engine.fusion.common import (
+    broadcasts_onto,
+    constant_of,
+    consumers,
+    make_step,
+    producers,
+    protected_slots,
+)
 from onnxtrain.engine.fusion.shapes import MAX_ENTRIES, ShapeOf, is_memoized
 from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import BITS_INT, SPLIT_MIN
@@ -399,7 +406,7 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             and upd.dtype == p.dtype
             and type(c) is np.ndarray
             and c.dtype == p.dtype
-            and _broadcasts_2d(c.shape, p.shape)  # (a per-row weight: (N, 1))
+            and broadcasts_onto(c.shape, p.shape)  # (a per-row weight: (N, 1))
             and (new or not (np.may_share_memory(p, upd) or np.may_share_memory(p, c)))
         ):
             at = _row_offsets(idx.reshape(-1), p.shape)
@@ -419,12 +426,6 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
         return scale_run((d, c) if pos == 0 else (c, d), attrs)
 
     return run
-
-
-def _broadcasts_2d(small: tuple[int, ...], shape: tuple[int, int]) -> bool:
-    """True when an array of shape ``small`` (rank 2 at most) broadcasts onto the 2-D ``shape``."""
-    k = len(small)
-    return (k < 1 or small[-1] in (1, shape[1])) and (k < 2 or (k == 2 and small[0] in (1, shape[0])))
 
 
 def _row_offsets(col: np.ndarray, shape: tuple[int, int]) -> np.ndarray | None:
