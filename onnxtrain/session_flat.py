@@ -150,11 +150,10 @@ class FlatLegacyUpdate:
         if session._backend != "numpy":
             flat.count_arrays = {upd[grp.flat_state[k]]: np.empty_like(store[grp.state[k][0]])
                                  for grp in groups for k in counts}
-        for grp in groups:  # the state moves into the buffers now, before any plan binds its arrays; the
-            # initial state's references go too (else they would keep the old arrays alive: 3 MiB of the GPT
-            # decoder's peak RSS)
+        for grp in groups:  # the state moves into the buffers now, before any plan binds its arrays (the
+            # store is the step graphs' initial_state itself: no other dict keeps the old arrays alive)
             if grp.merged:
-                flat._gather(grp, store, g.initial_state)
+                flat._gather(grp, store)
         return flat
 
     def grad_targets(self) -> dict[str, np.ndarray]:
@@ -239,11 +238,9 @@ class FlatLegacyUpdate:
                 grp.views[grp.state[key][i]] = grp.buffers[key][at:at + n].reshape(shape)
             at += n
 
-    def _gather(self, grp: _Group, store: dict[str, np.ndarray],
-                aliases: dict[str, np.ndarray] | None = None) -> None:
+    def _gather(self, grp: _Group, store: dict[str, np.ndarray]) -> None:
         """Make the store's weights and moments of ``grp`` the views of its buffers where they are not (when
-        built, after a load): their values copied in; an entry of ``aliases`` holding the replaced array is
-        replaced too."""
+        built, after a load): their values copied in."""
         self._allocate(grp)
         names = grp.weights + [s for key in self.elementwise for s in grp.state[key]]
         for n in names:
@@ -251,8 +248,6 @@ class FlatLegacyUpdate:
             if old is not view:
                 np.copyto(view, old)
                 store[n] = view
-                if aliases is not None and aliases.get(n) is old:
-                    aliases[n] = view
 
 
 def _same_count(a: np.ndarray, b: np.ndarray) -> bool:

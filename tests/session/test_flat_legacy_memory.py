@@ -24,12 +24,12 @@ def _session_and_replaced(monkeypatch, backend: str) -> tuple[onnxtrain.Training
     replaced: dict[str, weakref.ref] = {}
     real = session_flat.FlatLegacyUpdate._gather
 
-    def spy(self, grp, store, aliases=None):
+    def spy(self, grp, store):
         self._allocate(grp)
         for n in grp.weights + [s for key in self.elementwise for s in grp.state[key]]:
             if store[n] is not grp.views[n]:
                 replaced.setdefault(n, weakref.ref(store[n]))
-        return real(self, grp, store, aliases)
+        return real(self, grp, store)
 
     monkeypatch.setattr(session_flat.FlatLegacyUpdate, "_gather", spy)
     monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)  # (4 weights: the numpy engine steps flat too)
