@@ -479,14 +479,12 @@ def _constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
     (:meth:`ShapeValues.value`, without ``Shape``: no dims are read) are Constants of that value."""
     g = model.graph
     values = ShapeValues(model, {}, model_opset(model), fed_initializers(model))
-    known = _integer_types(g)
     folded: dict[int, np.ndarray] = {}
     for k, n in enumerate(g.node):
         if (n.op_type not in ("Constant", "Shape", "Size") and n.domain in DEFAULT_DOMAINS
                 and len(n.output) == 1 and n.output[0]):
-            value = values.value(n.output[0])
-            # (a value read through a Gather is int64 whatever its constant's type: folded only in its own)
-            if value is not None and value.dtype == known.get(n.output[0]):
+            value = values.value(n.output[0])  # (in the element type the run gives it)
+            if value is not None:
                 folded[k] = value
     if not folded:
         return model
@@ -497,36 +495,6 @@ def _constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
         n.CopyFrom(helper.make_node("Constant", [], [n.output[0]], name=n.name,
                                     value=numpy_helper.from_array(value, f"{n.output[0]}_folded")))
     return m
-
-
-# ops whose output has the element type of their first input
-_SAME_TYPE_OPS = frozenset({"Gather", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Concat",
-                            "Add", "Sub", "Mul", "Div", "Mod"})
-
-
-def _integer_types(g: onnx.GraphProto) -> dict[str, np.dtype]:
-    """The element types of ``g``'s values known without inference: its inputs', initializers' and
-    Constants', then in node order those of Cast, Shape, Size and the ops that keep their first input's."""
-    codes = {v.name: v.type.tensor_type.elem_type for v in g.input if v.type.HasField("tensor_type")}
-    codes.update((t.name, t.data_type) for t in g.initializer)
-    for n in g.node:
-        if len(n.output) != 1 or n.domain not in DEFAULT_DOMAINS:
-            continue
-        attrs = {a.name: a for a in n.attribute}
-        if n.op_type == "Constant" and "value" in attrs:
-            codes[n.output[0]] = attrs["value"].t.data_type
-        elif n.op_type == "Cast" and "to" in attrs:
-            codes[n.output[0]] = attrs["to"].i
-        elif n.op_type in ("Shape", "Size"):
-            codes[n.output[0]] = TensorProto.INT64
-        elif n.op_type in _SAME_TYPE_OPS and n.input and n.input[0] in codes:
-            codes[n.output[0]] = codes[n.input[0]]
-    return {name: np.dtype(helper.tensor_dtype_to_np_dtype(c)) for name, c in codes.items()
-            if c in _INTEGER_CODES}
-
-
-_INTEGER_CODES = frozenset({TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
-                            TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64})
 
 
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,

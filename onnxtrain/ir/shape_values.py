@@ -9,7 +9,11 @@ integer ops; ONNX's shape inference follows some of them (its data propagation) 
   through ``Shape`` or a ``Gather`` from it;
 * :meth:`ShapeValues.dims`: a shape vector entry by entry, each an int, a dim's name ("batch") or None,
   through ``Shape`` (start and end), Gather, Slice and Concat along axis 0, Unsqueeze and Squeeze of a
-  single entry, Cast and Identity.
+  single entry, Cast (numbers wrapped as the Cast does) and Identity.
+
+A value has the element type the run gives it: a Gather's its data's (a constant's own type, int64 from
+``Shape``, a Cast's target), which the ops computing from it keep; a Concat or an arithmetic op of mixed
+types (a graph ONNX rejects) has none.
 
 Only small values are read (at most :data:`MAX_VALUES` entries); dims that ONNX's inference made up names
 for ("unk__3") count as unknown.
@@ -30,6 +34,8 @@ FRESH = "unk__"  # the prefix of the dim names ONNX shape inference makes up for
 MAX_VALUES = 64
 _ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Mod")
 _PLAIN = ("Unsqueeze", "Squeeze", "Concat", "Reshape", "Cast", "Identity", *_ARITHMETIC)
+# ops whose output has their first input's element type
+_SAME_TYPE = ("Gather", "Slice", "Unsqueeze", "Squeeze", "Concat", "Reshape", "Identity", *_ARITHMETIC)
 
 Dim = int | str | None
 _ABSENT = "absent"  # an optional input not given
@@ -65,25 +71,64 @@ class ShapeValues:
         found = self._consts.get(name)
         node = self._made_by.get(name)
         if found is None and node is not None and node.domain in DEFAULT_DOMAINS:
-            if node.op_type in ("Shape", "Gather"):
-                entry = self.dims(name)
-                if entry is not None and all(isinstance(d, int) for d in entry[1]):
-                    found = np.array(entry[1], np.int64).reshape(() if entry[0] else (-1,))
-            elif node.op_type in _PLAIN:
+            if node.op_type in _PLAIN:
                 try:
                     found = self._apply(node)
                 except (ValueError, IndexError, TypeError):  # shapes that do not fit: a graph not valid
                     found = None
+            if found is None and node.op_type in ("Shape", "Gather", "Cast"):
+                found = self._known_entries(name)
         if found is not None and (found.size > MAX_VALUES or found.dtype.kind not in "iu"):
             found = None
         self._values[name] = found
         return found
+
+    def _known_entries(self, name: str) -> np.ndarray | None:
+        """``name``'s entries as a value of its element type, when all are numbers."""
+        entry = self.dims(name)
+        if entry is None or not all(isinstance(d, int) for d in entry[1]):
+            return None
+        dtype = self._dtype(name)
+        if dtype is None or dtype.kind not in "iu":
+            return None
+        try:
+            return np.array(entry[1], dtype).reshape(() if entry[0] else (-1,))
+        except OverflowError:  # entries the type cannot hold (a graph not valid)
+            return None
+
+    def _dtype(self, name: str) -> np.dtype | None:
+        """The element type of ``name`` followed back along what :meth:`dims` reads (a constant's own type,
+        int64 for Shape, a Cast's target, the first input's for the ops that keep it), else the type
+        ``types`` gives; None when neither tells."""
+        seen: set[str] = set()
+        while name not in seen:
+            seen.add(name)
+            const = self._consts.get(name)
+            if const is not None:
+                return const.dtype
+            node = self._made_by.get(name)
+            if node is None or node.domain not in DEFAULT_DOMAINS or not node.input:
+                break
+            if node.op_type == "Shape":
+                return np.dtype(np.int64)
+            if node.op_type == "Cast":
+                return _np_type(next((a.i for a in node.attribute if a.name == "to"), 0))
+            if node.op_type not in _SAME_TYPE:
+                break
+            name = node.input[0]
+        return self._declared_dtype(name)
+
+    def _declared_dtype(self, name: str) -> np.dtype | None:
+        tp = self._types.get(name)
+        return _np_type(tp.tensor_type.elem_type) if tp is not None and tp.HasField("tensor_type") else None
 
     def _apply(self, node: onnx.NodeProto) -> np.ndarray | None:
         args = [self.value(i) if i else None for i in node.input]
         needs_all = node.op_type in ("Concat", "Reshape", *_ARITHMETIC)
         if not args or args[0] is None or (needs_all and any(a is None for a in args)):
             return None
+        if node.op_type in ("Concat", *_ARITHMETIC) and any(a.dtype != args[0].dtype for a in args[1:]):
+            return None  # mixed types (a graph ONNX rejects): numpy would widen them as no run does
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         x = args[0]
         op = node.op_type
@@ -147,8 +192,11 @@ class ShapeValues:
                 return None
             kept = dims[slice(attrs.get("start", 0), attrs.get("end"))]
             return False, [None if unknown(d) else d for d in kept]
-        if op in ("Cast", "Identity"):
+        if op == "Identity":
             return self.dims(node.input[0])
+        if op == "Cast":
+            src = self.dims(node.input[0])
+            return None if src is None or "to" not in attrs else (src[0], _cast(src[1], attrs["to"]))
         if op in (*_ARITHMETIC, "Reshape"):
             v = self.value(node.output[0])
             return None if v is None or v.ndim > 1 else (v.ndim == 0, v.reshape(-1).tolist())
@@ -179,6 +227,34 @@ class ShapeValues:
             return (False, entries) if axes is not None and np.size(axes) == 1 else None
         if op == "Squeeze" and not scalar and len(entries) == 1:
             return True, entries
+        return None
+
+
+def _cast(entries: list[Dim], to: int) -> list[Dim]:
+    """Shape entries cast to ONNX type ``to``: numbers as the Cast makes them (wrapped into a narrower
+    integer; unknown where a float cannot hold them exactly), names kept only in a type that holds any dim
+    (integers of 32 bits or more, double), unknown otherwise; a bool none at all."""
+    dtype = _np_type(to)
+    if dtype is None or dtype.kind not in "iuf":
+        return [None] * len(entries)
+    out: list[Dim] = []
+    for d in entries:
+        if isinstance(d, int) and dtype.kind in "iu":
+            bits = 8 * dtype.itemsize
+            d %= 1 << bits
+            out.append(d - (1 << bits) if dtype.kind == "i" and d >> (bits - 1) else d)
+        elif isinstance(d, int):  # (every integer up to 2 ** (mantissa bits + 1) is a float's)
+            out.append(d if abs(d) <= 1 << (np.finfo(dtype).nmant + 1) else None)
+        else:
+            out.append(d if dtype.itemsize >= (4 if dtype.kind in "iu" else 8) else None)
+    return out
+
+
+def _np_type(code: int) -> np.dtype | None:
+    """The numpy type of ONNX element type ``code``; None for none (0) or one numpy lacks."""
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(code)) if code else None
+    except (KeyError, ValueError, TypeError):
         return None
 
 
