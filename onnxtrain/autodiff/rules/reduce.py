@@ -116,8 +116,24 @@ def reduce_mean_grad(g: GradCtx) -> None:
 
 
 def _extreme_grad(g: GradCtx) -> None:
-    # dX = dY routed to the elements equal to Y; ties split evenly (like torch.amax / torch.amin)
+    """dX = dY shared evenly among the elements of each slice equal to its max (min), dY/k for k ties and 0
+    elsewhere: ``torch.amax`` / ``torch.amin``'s gradient, and ``torch.max(x)``'s without a dim.
+
+    The choice among the conventions: ``torch.max(x, dim)`` gives all of dY to the one index it returns,
+    but torch's exporters write it as this same ReduceMax (beside an ArgMax when the index is used, as
+    they write ``amax`` beside ``argmax``), so the graph cannot tell the two apart; sharing is what
+    ``amax``/``amin``, TensorFlow's and JAX's max reductions and onnxruntime-training's elementwise Max/Min
+    gradient (since 2022) do, and it does not depend on the order of the elements. onnxruntime-training
+    registers no ReduceMax/ReduceMin gradient (one was merged and reverted), so such a graph did not build
+    there; its ORTModule exported ``torch.max(x, dim)`` as an ATen op with torch's one-index gradient.
+
+    A slice holding a NaN has a NaN max, which no element equals: its gradient is NaN throughout, as
+    ``torch.amax``'s (``torch.max(x)`` instead shares dY among the NaNs). With nothing reduced (no axes and
+    ``noop_with_empty_axes``) the node is the identity and dY passes as it is, NaNs included."""
     ax = _axes(g)
+    if ax.noop:
+        g.set_dx(0, g.dy(0))
+        return
     mask = g.emit("Cast", g.emit("Equal", g.x(0), keep(g, g.y(0), ax)), to=g.dtype)
     share = g.emit("Div", keep(g, g.dy(0), ax), _sum_keep(g, mask, ax))
     g.set_dx(0, g.emit("Mul", mask, share))
