@@ -45,6 +45,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
 * **products with a concatenation** (:mod:`~onnxtrain.engine.fusion.concat_mul`): ``Mul(Concat(pieces),
   c)`` (a recurrent gradient's per-step gate coefficients) is one step that multiplies the new
   concatenation by ``c`` in place when ``c`` has its shape and dtype; the same bits;
+* **a cross-entropy gradient's ignore mask** (:mod:`~onnxtrain.engine.fusion.ignore_mask`): the eight
+  small steps that set ignored labels to 0 and make the mean's per-sample factor are one step, which (when
+  no label is ignored) returns the labels and fills the factor ``dL / max(count, 1)``; the same bits;
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
   them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
   results are bit-identical, but values used only inside the cluster are written into scratch buffers
@@ -82,6 +85,7 @@ from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.grouped_weight_grad import fuse_grouped_weight_grads
+from onnxtrain.engine.fusion.ignore_mask import fuse_ignore_masks
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.nan_select import fuse_nan_selects
@@ -120,6 +124,7 @@ def fuse(plan: Plan) -> None:
         steps = fuse_pooled_relu_grads(plan, steps)
         steps = fuse_lazy_selects(plan, steps)
         steps = fuse_concat_products(plan, steps)
+        steps = fuse_ignore_masks(plan, steps)
         steps = fuse_elementwise(plan, steps)
         steps = group_sibling_clusters(plan, steps)
         steps = fuse_matmul_bias(plan, steps)
