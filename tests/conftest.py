@@ -45,6 +45,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", f"extended: a sweep's case run only when {tiers.VARIABLE}=1")
     tiers.full()  # a wrong value fails the run here
     _blas_share_per_worker()
+    if config.option.durations is None:  # the CI log names the slowest tests (the suite's budget is 15 min)
+        config.option.durations = 25
 
 
 def pytest_collection_modifyitems(config, items) -> None:
