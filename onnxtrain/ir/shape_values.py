@@ -286,5 +286,9 @@ def _arithmetic(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarra
     if op == "Mul":
         return a * b
     if op == "Div":
-        return (np.abs(a) // np.abs(b)) * np.sign(a) * np.sign(b)
+        if a.dtype.kind == "i" and np.any((a == np.iinfo(a.dtype).min) & (b == -1)):
+            return None  # the one quotient the type cannot hold (undefined in C)
+        # a minus its remainder (C's, the dividend's sign) is a multiple of b: floor division is then exact
+        # (not through abs: the type's minimum has none)
+        return (a - np.fmod(a, b)) // b
     return np.fmod(a, b) if attrs.get("fmod", 0) else np.mod(a, b)

@@ -129,3 +129,22 @@ def test_slice_bounds_read_from_int32_gathers() -> None:
     ran = ReferenceEvaluator(m).run(None, {"x": np.zeros(X_SHAPE, np.float32)})[0]
     dims = [d.dim_value for d in value_types(m)["y"].tensor_type.shape.dim]
     assert dims == list(ran.shape) == [2, 2, 5]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_integer_division_truncates_at_the_type_minimum(dtype: type) -> None:
+    """ONNX's integer Div truncates toward zero; |min| does not fit in the type (numpy's abs of int8 -128 is
+    -128), so a quotient computed through abs came out negated: -128 // 3 read as 43 instead of -42."""
+    low = np.iinfo(dtype).min
+    nodes = [_const("a", np.array([low, low + 1, -7, 7, low, -1, 0], dtype)),
+             _const("b", np.array([3, 2, 2, -2, 1, 5, -3], dtype)),
+             helper.make_node("Div", ["a", "b"], ["q"])]
+    values, ran = _read_and_run(nodes, ["q"])
+    _same(values, ran)
+
+
+def test_division_of_the_minimum_by_minus_one_has_no_value() -> None:
+    """int8 -128 / -1 overflows (C's undefined behaviour): no value rather than a wrapped guess."""
+    nodes = [_const("a", np.array([-128, 4], np.int8)), _const("b", np.array([-1, 2], np.int8)),
+             helper.make_node("Div", ["a", "b"], ["q"])]
+    assert ShapeValues(_model(nodes, ["q"]), {}, 18).value("q") is None
