@@ -158,3 +158,39 @@ def test_against_torch_float64(labels: str, lt, extra: int) -> None:
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
         if labels == "all_ignored":
             assert not got.any()
+
+
+def _hand_chain(ii: np.ndarray) -> onnx.ModelProto:
+    """The mask's eight nodes written by hand, with the masked labels and the factor as graph outputs."""
+    def const(name: str, v) -> onnx.NodeProto:
+        value = onnx.numpy_helper.from_array(np.asarray(v), name)
+        return helper.make_node("Constant", [], [name], value=value)
+
+    nodes = [const("ii", ii), const("z", np.array(0, np.int64)), const("f0", np.array(0.0, np.float32)),
+             const("f1", np.array(1.0, np.float32)), const("one", np.array(1.0, np.float32)),
+             const("ax", np.array([1], np.int64)),
+             helper.make_node("Equal", ["t", "ii"], ["E"]), helper.make_node("Where", ["E", "z", "t"], ["L"]),
+             helper.make_node("Where", ["E", "f0", "f1"], ["K"]),
+             helper.make_node("ReduceSum", ["K"], ["S"], keepdims=0),
+             helper.make_node("Max", ["S", "one"], ["M"]),
+             helper.make_node("Div", ["dl", "M"], ["D"]), helper.make_node("Mul", ["D", "K"], ["F"]),
+             helper.make_node("Unsqueeze", ["F", "ax"], ["U"])]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("t", onnx.TensorProto.INT64, ["N"]),
+                                       helper.make_tensor_value_info("dl", onnx.TensorProto.FLOAT, [])],
+                          [helper.make_empty_tensor_value_info(o) for o in ("L", "U")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_an_ignore_index_of_more_dims_than_the_labels_broadcasts_them(shape: tuple) -> None:
+    """An ignore_index of shape (1, 1) makes the Equal, and so the masked labels and the factor, one dim
+    wider than 1-D labels ((1, N), (1, 1, N)): the fused step must give those shapes, not (N,) and (N, 1)."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _hand_chain(np.full(shape, -100, np.int64))
+    f = {"t": np.array([0, 3, 2], np.int64), "dl": np.array(1.5, np.float32)}
+    want = ReferenceEvaluator(model).run(None, f)
+    fused = Plan(model)
+    assert ("IgnoreMaskFactor" in _ops(fused)) == (len(shape) <= 1)  # (one wider: the steps as they are)
+    for plan in (fused, Plan(model, fuse=False)):
+        assert [_bits(v) for v in plan.run(dict(f))] == [_bits(v) for v in want]

@@ -92,7 +92,8 @@ def _mask_chain(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept:
     if not _plain(plan, e, "Equal", 2) or constant_of(plan, e.inputs[1]) is None:
         return None
     ii = constant_of(plan, e.inputs[1])
-    if ii.size != 1 or ii.dtype.kind not in "iu":  # type: ignore[union-attr]
+    # (one of more dims than 1 would widen the Equal, and so both outputs, beyond 1-D labels' shape)
+    if ii.size != 1 or ii.ndim > 1 or ii.dtype.kind not in "iu":  # type: ignore[union-attr]
         return None
     eq = e.outputs[0]
     readers = cons.get(eq, [])
