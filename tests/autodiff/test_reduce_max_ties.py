@@ -149,3 +149,37 @@ def test_nothing_reduced_passes_the_gradient() -> None:
     grads = build_gradient_model(model, "loss", ["x"])
     got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, {"x": X})))
     np.testing.assert_array_equal(got["x_grad"], np.arange(X.size).reshape(X.shape))
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("op", list(TORCH))
+def test_fed_axes_empty_at_run_time_pass_the_gradient(op: str, keepdims: int) -> None:
+    """A fed axes tensor, empty at run time, with noop_with_empty_axes=1: the identity too, so dY passes as
+    it is at NaN inputs as well (the mask route gave NaN there: Equal(NaN, NaN) is false); fed non-empty, the
+    shared gradient as torch.amax/amin's."""
+    nodes = [helper.make_node(op, ["x", "axes"], ["y"], noop_with_empty_axes=1, keepdims=keepdims),
+             helper.make_node("Mul", ["y", "r"], ["yr"]),
+             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
+    r = np.random.default_rng(3).uniform(0.5, 1.5, X.shape)
+    g = helper.make_graph(
+        nodes, "fed_noop", [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape)),
+                            helper.make_tensor_value_info("axes", T.INT64, [None])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [numpy_helper.from_array(r, "r")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    grads = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(grads, full_check=True)
+    feeds = {"x": X, "axes": np.zeros(0, np.int64)}
+    got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, feeds)))
+    np.testing.assert_array_equal(got["x_grad"], r)
+    for x in (X, CLEAN):
+        axes = [2]
+        rr = r.max(axis=2, keepdims=bool(keepdims))  # any positive weights of the reduced shape
+        g2 = helper.make_graph(
+            nodes, "fed", [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape)),
+                           helper.make_tensor_value_info("axes", T.INT64, [None])],
+            [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [numpy_helper.from_array(rr, "r")])
+        m2 = helper.make_model(g2, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+        grads2 = build_gradient_model(m2, "loss", ["x"])
+        got2 = dict(zip([o.name for o in grads2.graph.output],
+                        run_engine(grads2, {"x": x, "axes": np.array(axes, np.int64)})))
+        _same(got2["x_grad"], _torch(op, x, axes, keepdims, rr)[1])

@@ -128,15 +128,19 @@ def _extreme_grad(g: GradCtx) -> None:
     there; its ORTModule exported ``torch.max(x, dim)`` as an ATen op with torch's one-index gradient.
 
     A slice holding a NaN has a NaN max, which no element equals: its gradient is NaN throughout, as
-    ``torch.amax``'s (``torch.max(x)`` instead shares dY among the NaNs). With nothing reduced (no axes and
-    ``noop_with_empty_axes``) the node is the identity and dY passes as it is, NaNs included."""
+    ``torch.amax``'s (``torch.max(x)`` instead shares dY among the NaNs). With nothing reduced (no axes, or
+    fed axes empty at run time, and ``noop_with_empty_axes``) the node is the identity and dY passes as it
+    is, NaNs included."""
     ax = _axes(g)
     if ax.noop:
         g.set_dx(0, g.dy(0))
         return
     mask = g.emit("Cast", g.emit("Equal", g.x(0), keep(g, g.y(0), ax)), to=g.dtype)
-    share = g.emit("Div", keep(g, g.dy(0), ax), _sum_keep(g, mask, ax))
-    g.set_dx(0, g.emit("Mul", mask, share))
+    dy = keep(g, g.dy(0), ax)
+    dx = g.emit("Mul", mask, g.emit("Div", dy, _sum_keep(g, mask, ax)))
+    if isinstance(ax.axes, str) and ax.noop_attr:  # fed axes, empty at run time: the identity as above
+        dx = g.emit("Where", g.emit("Equal", g.emit("Size", ax.axes), g.int64(0)), dy, dx)
+    g.set_dx(0, dx)
 
 
 @gradient("ReduceMax", stop=(1,), uses=("x0", "y0"))
