@@ -11,9 +11,9 @@ integer ops; ONNX's shape inference follows some of them (its data propagation) 
   through ``Shape`` (start and end), Gather, Slice and Concat along axis 0, Unsqueeze and Squeeze of a
   single entry, Cast (numbers wrapped as the Cast does) and Identity.
 
-A value has the element type the run gives it: a Gather's its data's (a constant's own type, int64 from
-``Shape``, a Cast's target), which the ops computing from it keep; a Concat or an arithmetic op of mixed
-types (a graph ONNX rejects) has none.
+A value has the element type the run gives it: a Gather's value has its data's type (a constant's own,
+int64 from ``Shape``, a Cast's target), and the ops computing from it keep that type; a Concat or an
+arithmetic op over mixed types (a graph ONNX rejects) has no value.
 
 Only small values are read (at most :data:`MAX_VALUES` entries); dims that ONNX's inference made up names
 for ("unk__3") count as unknown.
@@ -232,8 +232,8 @@ class ShapeValues:
 
 def _cast(entries: list[Dim], to: int) -> list[Dim]:
     """Shape entries cast to ONNX type ``to``: numbers as the Cast makes them (wrapped into a narrower
-    integer; unknown where a float cannot hold them exactly), names kept only in a type that holds any dim
-    (integers of 32 bits or more, double), unknown otherwise; a bool none at all."""
+    integer; unknown where a float cannot hold them exactly); a dim's name kept in integers of 32 bits or
+    more and in double (taken to hold any real dim), unknown in narrower types; nothing known for a bool."""
     dtype = _np_type(to)
     if dtype is None or dtype.kind not in "iuf":
         return [None] * len(entries)

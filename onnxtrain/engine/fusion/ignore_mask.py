@@ -1,7 +1,8 @@
 """The ignore_index mask of a mean cross-entropy gradient as one step.
 
-For a loss with ``ignore_index`` (torch's exports always name −100) and mean reduction, the gradient rule
-(autodiff/rules/loss.py, ``_class_factor``) writes eight small nodes before the fused gradient::
+For a loss with ``ignore_index`` (−100 in torch's exports unless the model sets another) and mean reduction,
+the gradient rule (autodiff/rules/loss.py, ``_class_factor``) writes eight small nodes before the fused
+gradient::
 
     E = Equal(labels, ii)            L = Where(E, 0, labels)         K = Where(E, 0.0, 1.0)
     M = Max(ReduceSum(K), 1)         U = Unsqueeze(Div(dL, M) · K, [1])
@@ -9,10 +10,10 @@ For a loss with ``ignore_index`` (torch's exports always name −100) and mean r
 that is, the labels with ignored entries set to class 0 and the per-sample factor dL/max(kept, 1) for a
 kept sample, 0 for an ignored one. Eight steps of the run loop cost 50-70 µs of a small training step
 (bench MLP at batch 64, out of cache); their arithmetic is a few hundred nanoseconds. One step makes ``L``
-and ``U`` instead. When no label is ``ii`` (the usual batch), ``L`` is the labels themselves, every ``K``
-is 1, the count is the labels' size, and each factor is ``dL / max(size, 1)`` (``d · 1.0`` is ``d``, bit
-for bit): a comparison, one scalar division and a fill. Otherwise the step runs the original kernels in
-order (the same bits by construction).
+and ``U`` instead. When no label is ``ii`` (the usual batch; labels and dL of the graph's types, at most
+2**24 labels), ``L`` is the labels themselves, every ``K`` is 1, the count is the labels' size, and each
+factor is ``dL / max(size, 1)`` (``d · 1.0`` is ``d``, bit for bit): a comparison, one scalar division and
+a fill. Otherwise the step runs the original kernels in order (the same bits by construction).
 """
 
 from __future__ import annotations
