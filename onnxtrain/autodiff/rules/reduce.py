@@ -128,9 +128,10 @@ def _extreme_grad(g: GradCtx) -> None:
     there; its ORTModule exported ``torch.max(x, dim)`` as an ATen op with torch's one-index gradient.
 
     A slice holding a NaN has a NaN max, which no element equals: its gradient is NaN throughout, as
-    ``torch.amax``'s (``torch.max(x)`` instead shares dY among the NaNs). With nothing reduced (no axes, or
-    fed axes empty at run time, and ``noop_with_empty_axes``) the node is the identity and dY passes as it
-    is, NaNs included."""
+    ``torch.amax``'s (``torch.max(x)`` instead shares dY among the NaNs); onnxruntime's ReduceMax does not
+    always give NaN there, and on that backend the gradient follows the max it gives. With nothing reduced
+    (no axes, or fed axes empty at run time, and ``noop_with_empty_axes``) the node is the identity and dY
+    passes as it is, NaNs included."""
     ax = _axes(g)
     if ax.noop:
         g.set_dx(0, g.dy(0))
