@@ -62,7 +62,10 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   in place instead of allocating a second array. It runs after the clusters, which leave out such an Add
   when its other operand is a declared vector (a Linear layer's bias) and may take any other;
 * **activations in place** (:mod:`~onnxtrain.engine.fusion.inplace`): a ``Relu``, or a ReLU gradient
-  ``Where(mask, dX, 0)``, of a product that nothing else reads writes into the product.
+  ``Where(mask, dX, 0)``, of a product that nothing else reads writes into the product;
+* **bias sums early** (:mod:`~onnxtrain.engine.fusion.early_sums`): a ``ReduceSum`` that only products
+  separate from the step making its input (a layer's bias gradient after its weight and input gradients)
+  moves up to just after that step, while its input is still in cache; the same bits.
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
@@ -82,6 +85,7 @@ from onnxtrain.engine.fusion.blocked import ScratchPool
 from onnxtrain.engine.fusion.common import forget_step_maps
 from onnxtrain.engine.fusion.concat_mul import fuse_concat_products
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
+from onnxtrain.engine.fusion.early_sums import sum_early
 from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.grouped_weight_grad import fuse_grouped_weight_grads
@@ -129,6 +133,7 @@ def fuse(plan: Plan) -> None:
         steps = group_sibling_clusters(plan, steps)
         steps = fuse_matmul_bias(plan, steps)
         steps = fuse_inplace_activations(plan, steps)
+        steps = sum_early(plan, steps)
     finally:
         forget_step_maps()  # the plan's steps are not held past its build
     plan.steps = steps
