@@ -599,3 +599,33 @@ def test_step_counts_stay_in_the_sessions_arrays(monkeypatch, backend: str) -> N
     if backend == "onnxruntime":  # every output of the update's run written into an array given to it
         plan = flat._flat.plan
         assert plan._kept is not None and set(plan._kept.outputs) == set(plan.output_names)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numpy"])
+def test_step_counts_past_the_largest_int64_as_the_per_weight_graph(monkeypatch, backend: str) -> None:
+    """Step counts loaded at the largest int64: the flat update's next counts wrap to the lowest int64 as the
+    per-weight graph's Add does (then count as no step taken: no bias correction), and the losses, weights
+    and moments keep the per-weight graph's bits, a weight with its own arrays and a merged group alike."""
+    if backend == "numpy":
+        monkeypatch.setattr(session_halves, "NUMPY_MIN_MERGED", 2)
+    monkeypatch.setattr(session_flat, "SINGLE_MIN", 200)  # W1 keeps its arrays: a group of one, a merged one
+    sessions = []
+    for flat in ("1", "0"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        so.add_session_config_entry("onnxtrain.flat_update", flat)
+        p = params("AdamOptimizer", enable_grad_norm_clip=False)
+        model = mlp_model(din=12, dh=20, dout=5).SerializeToString()
+        sessions.append(onnxtrain.TrainingSession(model, p, so))
+    sess, perw = sessions
+    assert [(len(g.weights), g.merged) for g in sess._flat.groups] == [(1, False), (3, True)]
+    names = [f"Update_Count_{w}" for w in ("W1", "b1", "W2", "b2")]
+    got, want = _train(sess, 2), _train(perw, 2)
+    top, low = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    for s in (sess, perw):
+        s.load_state({n: np.array([top], np.int64) for n in names})
+    got += _train(sess, 3, seed=6)
+    want += _train(perw, 3, seed=6)
+    assert "update" not in sess._plans  # (the counts stayed equal: the flat update ran every step)
+    _same(sess, perw, got, want)
+    assert [int(sess.get_state()[n][0]) for n in names] == [low + 2] * 4
