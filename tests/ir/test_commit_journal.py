@@ -600,12 +600,16 @@ def test_the_run_start_clean_up_leaves_live_temporaries_and_user_files(tmp_path)
 
 
 def test_a_failed_commit_releases_its_temporaries_locks(tmp_path):
-    """The descriptors locking the temporaries were kept open after a failed commit (one per file)."""
-    (tmp_path / "target_is_dir").mkdir()
+    """The descriptors locking the temporaries were kept open after a failed commit (one per file). The
+    target becomes a folder while its temporary is written (a folder there already fails the write before
+    any temporary), so the commit's rename fails."""
     assert _open_under(tmp_path) == []
-    for _ in range(5):
-        with pytest.raises(OSError):
-            write_atomic(str(tmp_path / "target_is_dir"), lambda f: f.write(b"x"))
+    for i in range(5):
+        target = tmp_path / f"becomes_a_folder_{i}"
+        with pytest.raises(IsADirectoryError):
+            write_atomic(str(target), lambda f, t=target: (t.mkdir(), f.write(b"x")))
+        # (the commit failed at the rename: the temporary is gone, the folder stays)
+        assert sorted(os.listdir(tmp_path)) == [f"becomes_a_folder_{j}" for j in range(i + 1)]
     assert _open_under(tmp_path) == []
 
 
