@@ -1,10 +1,13 @@
 """The legacy AdamOptimizer's bits over whole training runs against an independent numpy oracle.
 
 The model is loss = Σ_w ReduceSum(w ⊙ x_w), so that each weight's gradient is its feed ``x_w`` exactly and
-the oracle can replay the update from the spec's formulas alone: the moments in the weight's compute type
-with α and β as float32 holds them, the bias corrections 1 − base^t as numpy's float64 power of the
-counts (1 where a count is ≤ 0) rounded once, the step lr·sqrt(c2)/c1, weight-decay mode 0 (ε·sqrt(c2) with
-the decay factor 1 − lr·λ applied to the weight first) or mode 1 (ε as given, the factor applied after).
+the oracle can replay the update in numpy alone: the moments in the weight's compute type with α and β as
+float32 holds them, the bias corrections 1 − base^t as numpy's float64 power of the counts (1 where a count is
+≤ 0) rounded once, the step lr·sqrt(c2)/c1, weight-decay mode 0 (ε·sqrt(c2) with the decay factor 1 − lr·λ
+applied to the weight first) or mode 1 (ε as given, the factor applied after). That is the spec's update
+(``shared/spec/legacy-training-session.md`` 7.3) rearranged as onnxtrain computes it, so the bits it pins are
+that arrangement's: the weights are also held, within float32 rounding, to the spec's formulas as written,
+evaluated in float64 (mode 0: w − lr·((m1/c1)/(sqrt(m2/c2) + ε) + λ·w); mode 1: w − u − lr·λ·(w − u)).
 Losses, weights, moments and counts must have the same bits after every step, with counts loaded midway
 that differ per weight (0, negative, large), corrections off for some weights, mixed modes and λ ≠ 0.
 """
@@ -68,8 +71,25 @@ class _Oracle:
         self.alpha = float(np.float32(alpha)) if self.dt == np.float32 else alpha  # as the graph holds it
         self.beta = float(np.float32(beta)) if self.dt == np.float32 else beta
         self.lam, self.eps, self.mode, self.corrected = lam, eps, mode, corrected
+        self.spec = (w.astype(np.float64), np.zeros(w.shape), np.zeros(w.shape))  # the spec's form, float64
+
+    def _spec_step(self, g: np.ndarray, lr: float) -> None:
+        """The spec's update as written (7.3), in float64 from the same inputs."""
+        w, m1, m2 = self.spec
+        g = g.astype(np.float64)
+        m1 = self.alpha * m1 + (1 - self.alpha) * g
+        m2 = self.beta * m2 + (1 - self.beta) * g * g
+        c1 = _correction(self.alpha, self.t) if self.corrected else 1.0
+        c2 = _correction(self.beta, self.t) if self.corrected else 1.0
+        if self.mode == 0:
+            w = w - lr * ((m1 / c1) / (np.sqrt(m2 / c2) + self.eps) + self.lam * w)
+        else:
+            u = lr * np.sqrt(c2) / c1 * m1 / (np.sqrt(m2) + self.eps)
+            w = w - u - lr * self.lam * (w - u)
+        self.spec = (w, m1, m2)
 
     def step(self, g: np.ndarray, lr32: np.float32) -> None:
+        self._spec_step(g, float(lr32))
         dt = self.dt
         g = g.astype(dt)
         w = self.w.astype(dt)
@@ -136,6 +156,8 @@ def _check(names: tuple[str, ...], dtype=np.float32, floats=None, ints=None, bac
             assert _bits(state[f"Moment_1_{n}"]) == _bits(o.m1.astype(state[f"Moment_1_{n}"].dtype)), (k, n)
             assert _bits(state[f"Moment_2_{n}"]) == _bits(o.m2.astype(state[f"Moment_2_{n}"].dtype)), (k, n)
             assert _bits(state[f"Update_Count_{n}"]) == _bits(np.array([o.t], np.int64)), (k, n)
+            tol = 1e-12 if o.dt == np.float64 else 2e-6
+            np.testing.assert_allclose(state[n], o.spec[0], rtol=tol, atol=tol, err_msg=f"{k} {n}")
         if k == 2 and load is not None:  # counts that differ per weight, a zero and a negative one among them
             counts = {f"Update_Count_{n}": np.array([load(i, n)], np.int64) for i, n in enumerate(names)}
             sess.load_state(counts, strict=False)
