@@ -111,3 +111,39 @@ def test_a_sum_behind_another_kind_of_step_stays(monkeypatch) -> None:
     assert p < k - 1
     monkeypatch.setattr(early_sums, "PRODUCTS", frozenset())  # nothing counts as a product: nothing moves
     assert early_sums.sum_early(plan, steps) == steps
+
+
+def _row_bias_grad(rows: int) -> onnx.ModelProto:
+    """``loss = sum(Gemm(2x, w, b)^2)`` with a per-row bias ``b`` (rows, 1) of a 2-column Gemm: the bias's
+    gradient sums dY over axis 1, half as large as dY."""
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "s"),
+             numpy_helper.from_array(rng.standard_normal((2, 2)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((rows, 1)).astype(np.float32), "b")]
+    nodes = [helper.make_node("Mul", ["x", "s"], ["x2"]), helper.make_node("Gemm", ["x2", "w", "b"], ["h"]),
+             helper.make_node("ReduceSumSquare", ["h"], ["loss"], keepdims=0)]
+    f32 = onnx.TensorProto.FLOAT
+    g = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info("x", f32, [rows, 2])],
+                          [helper.make_tensor_value_info("loss", f32, [])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    return build_gradient_model(m, "loss", ["w", "b", "x"])
+
+
+def test_a_large_sum_stays_and_the_peak_with_it(monkeypatch) -> None:
+    rows = 1 << 14
+    g = _row_bias_grad(rows)
+    x = np.random.default_rng(6).standard_normal((rows, 2)).astype(np.float32)
+    fused = Plan(g)
+    got = fused.run({"x": x})
+    monkeypatch.setattr("onnxtrain.engine.fusion.sum_early", lambda plan, steps: steps)
+    plain = Plan(g)
+    want = plain.run({"x": x})
+    assert [_bits(v) for v in got] == [_bits(v) for v in want]
+    assert fused.peak_bytes == plain.peak_bytes
+    assert [st.node.name for st in fused.steps] == [st.node.name for st in plain.steps]
+    # the values: d/db sum((2x w + b)^2) = 2 (2x w + b) summed over the row, in float64
+    init = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in g.graph.initializer}
+    h = 2 * x.astype(np.float64) @ init["w"] + init["b"]
+    names = [o.name for o in g.graph.output]
+    np.testing.assert_allclose(got[names.index("b_grad")], (2 * h).sum(axis=1, keepdims=True),
+                               rtol=1e-4, atol=1e-4)
