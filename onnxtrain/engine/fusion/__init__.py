@@ -63,9 +63,10 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   when its other operand is a declared vector (a Linear layer's bias) and may take any other;
 * **activations in place** (:mod:`~onnxtrain.engine.fusion.inplace`): a ``Relu``, or a ReLU gradient
   ``Where(mask, dX, 0)``, of a product that nothing else reads writes into the product;
-* **bias sums early** (:mod:`~onnxtrain.engine.fusion.early_sums`): a ``ReduceSum`` that only products
-  separate from the step making its input (a layer's bias gradient after its weight and input gradients)
-  moves up to just after that step, while its input is still in cache; the same bits.
+* **bias sums early** (:mod:`~onnxtrain.engine.fusion.early_sums`): a ``Gemm`` layer's bias gradient, a
+  ``ReduceSum`` over axis 0 of dY that only products separate from the step making dY, moves up to just
+  after that step, ahead of the layer's weight and input gradients, while dY is still in cache; the same
+  bits.
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
