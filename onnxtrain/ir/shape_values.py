@@ -28,7 +28,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays
-from onnxtrain.ir.types import symbolic_shape
+from onnxtrain.ir.types import np_dtype, symbolic_shape
 
 FRESH = "unk__"  # the prefix of the dim names ONNX shape inference makes up for unknown dims
 MAX_VALUES = 64
@@ -253,7 +253,7 @@ def _cast(entries: list[Dim], to: int) -> list[Dim]:
 def _np_type(code: int) -> np.dtype | None:
     """The numpy type of ONNX element type ``code``; None for none (0) or one numpy lacks."""
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(code)) if code else None
+        return np_dtype(code) if code else None
     except (KeyError, ValueError, TypeError):
         return None
 

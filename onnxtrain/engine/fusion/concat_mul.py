@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots
+from onnxtrain.engine.fusion.common import FLOATS, consumers, make_step, producers, protected_slots
 from onnxtrain.engine.fusion.ufuncs import UFUNCS
 from onnxtrain.engine.registry import Attrs
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
 MAX_PIECES = 8
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def fuse_concat_products(plan: Plan, steps: list[Step]) -> list[Step]:
@@ -66,7 +65,7 @@ def _concat_product(plan: Plan, cat: Step, mul: Step, side: int) -> Callable:
         # Concat's kernel returns a new array (np.concatenate of two or more pieces): safe to write into,
         # unless the Concat's value is kept from a run before (read-only: made from shapes alone)
         if type(joined) is np.ndarray and type(c) is np.ndarray and joined.shape == c.shape and (
-                joined.dtype == c.dtype and joined.dtype in _FLOATS) and joined.flags.writeable:
+                joined.dtype == c.dtype and joined.dtype in FLOATS) and joined.flags.writeable:
             # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
             np.multiply(*((joined, c) if side == 0 else (c, joined)), out=joined)
             return (joined,)

@@ -23,14 +23,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
+from onnxtrain.engine.fusion.common import (
+    FLOATS,
+    constant_of,
+    consumers,
+    make_step,
+    producers,
+    protected_slots,
+)
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # a float32 sum of this many ones or fewer is exact (each partial sum is an integer below 2**24)
 MAX_EXACT_COUNT = 1 << 24
 
@@ -81,7 +87,7 @@ def _plain(plan: Plan, st: Step, op: str, n_inputs: int) -> bool:
 def _scalar(plan: Plan, s: int, kind: str, value: float) -> bool:
     """Slot ``s`` is a folded 0-d constant of dtype kind ``kind`` (``"f"``: float32/64) equal to ``value``."""
     v = constant_of(plan, s)
-    if v is None or v.shape != () or v.dtype.kind not in kind or (kind == "f" and v.dtype not in _FLOATS):
+    if v is None or v.shape != () or v.dtype.kind not in kind or (kind == "f" and v.dtype not in FLOATS):
         return False
     return bool(v == value) and not (value == 0 and kind == "f" and np.signbit(v))
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import (
+    FLOATS,
     broadcasts_onto,
     constant_of,
     consumers,
@@ -250,7 +251,7 @@ def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
         if (
             it is not None
             and _own(x)
-            and x.dtype in _FLOATS
+            and x.dtype in FLOATS
             and type(r) is np.ndarray
             and r.shape == x.shape
             and r.dtype == x.dtype
@@ -265,9 +266,6 @@ def _relu_grad_over(plan: Plan, greater: Step, where: Step) -> Callable:
         return plan._call(where, [plan._call(greater, [r, c])[0], x, zero])
 
     return run
-
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 MAX_DERIVED_STEPS = 16  # memoized shape steps one fused step may take in
@@ -390,13 +388,13 @@ def _cross_entropy_grad_over(plan: Plan, exp: Step, scatter: Step, mul: Step, po
             upd, c = got.get(upd_slot, upd), got.get(c_slot, c)
         # below its split size the Exp kernel is np.exp: called here, its result is a new array (it shares no
         # memory with the updates or the scale)
-        new = (plain_exp and type(logp) is np.ndarray and logp.ndim == 2 and logp.dtype in _FLOATS
+        new = (plain_exp and type(logp) is np.ndarray and logp.ndim == 2 and logp.dtype in FLOATS
                and logp.size < SPLIT_MIN)
         p = np.exp(logp) if new else plan._call(exp, [logp])[0]
         at = None
         if (
             fast
-            and (new or (type(p) is np.ndarray and p.ndim == 2 and p.dtype in _FLOATS and p.flags.writeable))
+            and (new or (type(p) is np.ndarray and p.ndim == 2 and p.dtype in FLOATS and p.flags.writeable))
             and p.size
             and p.flags.c_contiguous
             and type(idx) is np.ndarray
