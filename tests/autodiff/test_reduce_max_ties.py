@@ -51,13 +51,19 @@ def _model(op: str, axes: list[int] | None, keepdims: int, how: str) -> tuple[on
         else:
             inputs.append(helper.make_tensor_value_info("axes", T.INT64, [len(axes)]))
             feeds["axes"] = np.array(axes, np.int64)
-    nodes = [helper.make_node(op, args, ["y"], **attrs), helper.make_node("Mul", ["y", "r"], ["yr"]),
+    r = np.random.default_rng(7).uniform(0.5, 1.5, _reduced_shape(axes, keepdims))
+    return _loss_model(helper.make_node(op, args, ["y"], **attrs), inputs, r, opset, inits), feeds
+
+
+def _loss_model(reduce: onnx.NodeProto, inputs: list, r: np.ndarray, opset: int = 18,
+                inits: list | None = None) -> onnx.ModelProto:
+    """``loss = Σ y·r`` for the node ``reduce`` making ``y`` from the graph ``inputs`` (r an initializer)."""
+    nodes = [reduce, helper.make_node("Mul", ["y", "r"], ["yr"]),
              helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
-    y_shape = _reduced_shape(axes, keepdims)
-    r = np.random.default_rng(7).uniform(0.5, 1.5, y_shape)
-    inits.append(numpy_helper.from_array(r, "r"))
-    g = helper.make_graph(nodes, op, inputs, [helper.make_tensor_value_info("loss", T.DOUBLE, [])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9), feeds
+    loss = helper.make_tensor_value_info("loss", T.DOUBLE, [])
+    weights = [*(inits or []), numpy_helper.from_array(r, "r")]
+    g = helper.make_graph(nodes, reduce.op_type, inputs, [loss], weights)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 
 
 def _reduced_shape(axes: list[int] | None, keepdims: int) -> tuple[int, ...]:
@@ -137,15 +143,9 @@ def test_without_ties_against_finite_differences(op: str, how: str) -> None:
 
 def test_nothing_reduced_passes_the_gradient() -> None:
     """No axes and noop_with_empty_axes=1: the identity, ties or NaN anywhere."""
-    nodes = [helper.make_node("ReduceMax", ["x"], ["y"], noop_with_empty_axes=1),
-             helper.make_node("Mul", ["y", "r"], ["yr"]),
-             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
-    g = helper.make_graph(
-        nodes,
-        "noop", [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape))],
-        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
-        [numpy_helper.from_array(np.arange(X.size, dtype=np.float64).reshape(X.shape), "r")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    model = _loss_model(helper.make_node("ReduceMax", ["x"], ["y"], noop_with_empty_axes=1),
+                        [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape))],
+                        np.arange(X.size, dtype=np.float64).reshape(X.shape))
     grads = build_gradient_model(model, "loss", ["x"])
     got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, {"x": X})))
     np.testing.assert_array_equal(got["x_grad"], np.arange(X.size).reshape(X.shape))
@@ -157,15 +157,11 @@ def test_fed_axes_empty_at_run_time_pass_the_gradient(op: str, keepdims: int) ->
     """A fed axes tensor, empty at run time, with noop_with_empty_axes=1: the identity too, so dY passes as
     it is at NaN inputs as well (the mask route gave NaN there: Equal(NaN, NaN) is false); fed non-empty, the
     shared gradient as torch.amax/amin's."""
-    nodes = [helper.make_node(op, ["x", "axes"], ["y"], noop_with_empty_axes=1, keepdims=keepdims),
-             helper.make_node("Mul", ["y", "r"], ["yr"]),
-             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
+    reduce = helper.make_node(op, ["x", "axes"], ["y"], noop_with_empty_axes=1, keepdims=keepdims)
+    inputs = [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape)),
+              helper.make_tensor_value_info("axes", T.INT64, [None])]
     r = np.random.default_rng(3).uniform(0.5, 1.5, X.shape)
-    g = helper.make_graph(
-        nodes, "fed_noop", [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape)),
-                            helper.make_tensor_value_info("axes", T.INT64, [None])],
-        [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [numpy_helper.from_array(r, "r")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    model = _loss_model(reduce, inputs, r)
     grads = build_gradient_model(model, "loss", ["x"])
     onnx.checker.check_model(grads, full_check=True)
     feeds = {"x": X, "axes": np.zeros(0, np.int64)}
@@ -174,12 +170,7 @@ def test_fed_axes_empty_at_run_time_pass_the_gradient(op: str, keepdims: int) ->
     for x in (X, CLEAN):
         axes = [2]
         rr = r.max(axis=2, keepdims=bool(keepdims))  # any positive weights of the reduced shape
-        g2 = helper.make_graph(
-            nodes, "fed", [helper.make_tensor_value_info("x", T.DOUBLE, list(X.shape)),
-                           helper.make_tensor_value_info("axes", T.INT64, [None])],
-            [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [numpy_helper.from_array(rr, "r")])
-        m2 = helper.make_model(g2, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-        grads2 = build_gradient_model(m2, "loss", ["x"])
+        grads2 = build_gradient_model(_loss_model(reduce, inputs, rr), "loss", ["x"])
         got2 = dict(zip([o.name for o in grads2.graph.output],
                         run_engine(grads2, {"x": x, "axes": np.array(axes, np.int64)})))
         _same(got2["x_grad"], _torch(op, x, axes, keepdims, rr)[1])
