@@ -30,6 +30,7 @@ from onnxtrain.engine.fusion.common import (
     make_step,
     producers,
     protected_slots,
+    run_steps,
 )
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
@@ -63,7 +64,7 @@ def fuse_ignore_masks(plan: Plan, steps: list[Step]) -> list[Step]:
             continue
         members = [steps[m] for m in found]
         fused[at] = make_step(plan, "IgnoreMaskFactor", members, ins, outs,
-                              _ignore_factor(plan, members, outs[1] not in kept))
+                              _ignore_factor(plan, members, ins, outs, outs[1] not in kept))
         dropped.update(found)
     if not fused:
         return steps
@@ -162,9 +163,11 @@ def _only_reader(steps: list[Step], cons: dict[int, list[int]], kept: set[int], 
     return r[0] if len(r) == 1 and s not in kept else None
 
 
-def _ignore_factor(plan: Plan, members: list[Step], cached: bool) -> Callable:
-    """The fused step's kernel over (labels, ii, 0, 0.0, 1.0, 1, dL, axes) → (masked labels, factor).
-    ``cached``: the factor may be an array kept from an earlier run (read-only; not a graph output)."""
+def _ignore_factor(plan: Plan, members: list[Step], ins: Sequence[int], outs: Sequence[int],
+                   cached: bool) -> Callable:
+    """The fused step's kernel over (labels, ii, 0, 0.0, 1.0, 1, dL, axes) (slots ``ins``) → (masked labels,
+    factor) (slots ``outs``). ``cached``: the factor may be an array kept from an earlier run (read-only; not
+    a graph output)."""
     ii = constant_of(plan, members[0].inputs[1])
     lt, ft = ii.dtype, constant_of(plan, members[4].inputs[1]).dtype  # type: ignore[union-attr]
     made: dict[tuple, np.ndarray] = {}  # (labels' shape, dL's bits) → the factor
@@ -194,21 +197,12 @@ def _ignore_factor(plan: Plan, members: list[Step], cached: bool) -> Callable:
                         made.clear()
                     made[key] = f
             return lab, f
-        return _chain(plan, members, inputs)
+        env = dict(zip(ins, inputs))  # otherwise the mask's original steps, in order
+        run_steps(plan, members, env)
+        return env[outs[0]], env[outs[1]]
 
     return run
 
 
 MAX_KEPT = 8  # factors kept per step (a batch shape and dL's value each)
 
-
-def _chain(plan: Plan, members: list[Step], inputs: Sequence[Any]) -> tuple[Any, Any]:
-    """The mask's original steps run in order on the fused step's inputs."""
-    e, w0, kf, red, mx, div, mul, unsq = members
-    lab, ii, zero, fzero, fone, one, dl, axes = inputs
-    eq = plan._call(e, [lab, ii])[0]
-    labels = plan._call(w0, [eq, zero, lab])[0]
-    k = plan._call(kf, [eq, fzero, fone])[0]
-    m = plan._call(mx, [plan._call(red, [k])[0], one])[0]
-    f = plan._call(mul, [plan._call(div, [dl, m])[0], k])[0]
-    return labels, plan._call(unsq, [f, axes])[0]
