@@ -9,7 +9,8 @@ Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGK
 loop checks between steps: it stops there and saves a checkpoint of that step (unless it has one), which
 ``--resume`` continues from; the CLI exits 128 + the signal's number (130, 143). A second signal raises
 KeyboardInterrupt (:class:`Terminated` for SIGTERM; not a SIGTERM repeating the first within
-:data:`SIGTERM_REPEAT_S`, one request delivered twice) at once, that save too (files are only ever replaced
+:data:`SIGTERM_REPEAT_S`, one request delivered twice, which is passed over even once the run has
+stopped) at once, that save too (files are only ever replaced
 atomically: the last complete checkpoint stays). Under ``mpiexec`` (which forwards SIGTERM and SIGINT to every
 rank) the ranks agree at each step's start whether any of them was signalled, so they stop after the same
 step however far apart the signals land, and no rank waits in a collective for one that left.
@@ -129,9 +130,32 @@ class _Interrupts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        until = self._at + SIGTERM_REPEAT_S
         for s, prev in self._prev.items():
-            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+            prev = prev if prev is not None else signal.SIG_DFL
+            if s == self.signum == signal.SIGTERM and time.monotonic() < until:
+                prev = _PassOverRepeats(prev, until)  # (the run stopped on it: a repeat may still come)
+            signal.signal(s, prev)
         self._prev.clear()
+
+
+class _PassOverRepeats:
+    """SIGTERM's handler once a run has stopped on one: a repeat of it before ``until`` (monotonic time) is
+    passed over, as during the run; a later SIGTERM puts back ``prev`` (the handler before the run) and
+    gets its action."""
+
+    def __init__(self, prev: Any, until: float) -> None:
+        self.prev = prev
+        self.until = until
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if time.monotonic() < self.until:
+            return
+        signal.signal(signum, self.prev)
+        if callable(self.prev):
+            self.prev(signum, frame)
+        elif self.prev == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # (delivered again, now to the default action)
 
 
 # ---- the run ------------------------------------------------------------------------------

@@ -434,6 +434,43 @@ def test_a_repeated_sigterm_is_one_stop_request_a_later_one_a_second(monkeypatch
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+_REPEAT_AFTER_THE_STOP = """
+import os, signal, sys, time
+from onnxtrain.train import loop
+
+def deliver(signum):
+    os.kill(os.getpid(), signum)
+    time.sleep(0.01)
+
+seen = []
+if sys.argv[1] == "handler":
+    signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+with loop._Interrupts() as stop:
+    deliver(signal.SIGTERM)
+deliver(signal.SIGTERM)  # the same request again, once the run has stopped: passed over
+print("alive", seen, flush=True)
+time.sleep(loop.SIGTERM_REPEAT_S)
+deliver(signal.SIGTERM)  # a later one gets the handler that was there before the run
+print("after the window", seen, flush=True)
+"""
+
+
+@pytest.mark.parametrize("before", ["default", "handler"])
+def test_a_repeated_sigterm_after_the_run_stopped_is_still_passed_over(before):
+    """A cgroup-wide SIGTERM reaches a rank twice, some milliseconds apart. When the second came after the
+    run had stopped on the first (its handlers put back, the CLI not yet ignoring SIGTERM), the default
+    action ended the rank: exit 15 and mpiexec's "bad termination" instead of the stop's 143 (seen in
+    CI). A repeat within SIGTERM_REPEAT_S of the stop is now passed over there too; a later SIGTERM gets
+    the handler that was there before the run (the default action, or the program's own)."""
+    proc = subprocess.run([sys.executable, "-c", _REPEAT_AFTER_THE_STOP, before], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert "alive []" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    if before == "default":
+        assert proc.returncode == -signal.SIGTERM and "after the window" not in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode == 0 and f"after the window [{int(signal.SIGTERM)}]" in proc.stdout, proc
+
+
 def test_a_resumed_run_without_export_or_plot_says_the_old_ones_are_stale(tmp_path, capsys):
     """A finished run resumed for more steps with output.export and output.plot false left the model.onnx
     and metrics.png of its first part beside checkpoints of later steps, unmentioned (the summary just
