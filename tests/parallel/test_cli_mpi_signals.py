@@ -22,9 +22,13 @@ pytestmark = pytest.mark.mpi
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "digits_mlp.yaml")
-STEPS = 300
-SETS = ["--set", f"training.steps={STEPS}", "--set", "training.checkpoint_every=10", "--set",
-        "training.eval_every=100", "--set", "training.keep_checkpoints=0", "--set", "output.plot=false"]
+# The run that is stopped and resumed: long enough that the signal, sent once its first checkpoint exists,
+# lands while it trains even on a loaded host (a 300-step run took under a second: a signal that the test's
+# scan of /proc delayed past its end found the job finished, and exit 15 when it reached a rank exiting)
+STEPS = 1000
+LONG = 10**6  # a run that is only stopped: it never gets near its end
+SETS = ["--set", "training.checkpoint_every=10", "--set", "training.eval_every=100", "--set",
+        "training.keep_checkpoints=0", "--set", "output.plot=false"]
 FIRST = os.path.join("checkpoints", "step_00000010.ckpt")
 LAST = os.path.join("checkpoints", f"step_{STEPS:08d}.ckpt")
 
@@ -35,23 +39,25 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(out: str, *extra: str) -> subprocess.Popen:
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "onnxtrain", "train", CONFIG, *SETS, "--output-dir",
-           out, "-q", *extra]
+def _start(out: str, *extra: str, steps: int = STEPS) -> subprocess.Popen:
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "onnxtrain", "train", CONFIG, *SETS, "--set",
+           f"training.steps={steps}", "--output-dir", out, "-q", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """The job's exit code and what it wrote: its stderr, then its stdout (where mpiexec reports a rank's
+    "BAD TERMINATION")."""
     try:
-        _, err = proc.communicate(timeout=timeout)
+        said, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
-        _, err = proc.communicate()
+        said, err = proc.communicate()
         pytest.fail(f"the job did not end within {timeout} s of the signal (a rank hangs?): {err[-3000:]}")
     finally:
         _kill_group(proc.pid)
-    return proc.returncode, err
+    return proc.returncode, err + said
 
 
 def _ranks(launcher: int) -> dict[int, int]:
@@ -176,7 +182,7 @@ def test_sigterm_to_some_ranks_stops_them_all_after_one_step(tmp_path, how):
     mpiexec's "bad termination"; a cgroup-wide SIGTERM, which each rank gets directly and again from
     mpiexec, was taken as a second one: the job aborted without its stop's checkpoint)."""
     out = str(tmp_path / "run")
-    proc = _start(out)
+    proc = _start(out, steps=LONG)
     _wait_for(os.path.join(out, FIRST), proc)
     _signal(proc, how)
     t0 = time.monotonic()
@@ -197,7 +203,7 @@ def test_two_sigterms_in_a_row_are_one_stop(tmp_path):
     from onnxtrain.train.outputs import list_checkpoints
 
     out = str(tmp_path / "run")
-    proc = _start(out)
+    proc = _start(out, steps=LONG)
     _wait_for(os.path.join(out, FIRST), proc)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.002)
