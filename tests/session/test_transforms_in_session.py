@@ -183,28 +183,34 @@ def test_auto_accumulation_micro_steps_answer_the_finite_check() -> None:
 def test_recompute_notes_do_not_take_other_threads_warnings(monkeypatch) -> None:
     """The recompute pass's notes are collected per thread: a warning another thread emits while a session
     is built is shown as its own, not folded into the session's "nothing is recomputed" message (the first
-    version caught every warning of the process; the pass is slowed here to hold the window open)."""
+    version caught every warning of the process). The pass waits, once begun, for the other thread's
+    warning, so that it lands inside the pass: the sleeps that ordered them before (pass slowed by 0.3 s,
+    warning after 0.1 s) missed the pass on a loaded host (1 run in 4 with three busy processes on two
+    cores), and the test then passed without reaching the case."""
     import threading
-    import time
     import warnings
 
     from onnxtrain.graph_transforms import recompute as rc
 
     real = rc.recompute
+    begun, warned = threading.Event(), threading.Event()
 
-    def slow(*args, **kwargs):
-        time.sleep(0.3)
+    def held(*args, **kwargs):
+        begun.set()  # thread B warns now, while this pass runs
+        warned.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rc, "recompute", slow)
+    monkeypatch.setattr(rc, "recompute", held)
     import onnxtrain.training_graph as tg
 
-    monkeypatch.setattr(tg, "recompute", slow, raising=False)  # where an earlier version called it
+    monkeypatch.setattr(tg, "recompute", held, raising=False)  # where an earlier version called it
     shown: list[str] = []
+    inside: list[bool] = []
 
     def other() -> None:
-        time.sleep(0.1)
+        inside.append(begun.wait(60))
         warnings.warn("thread B: its own warning", UserWarning, stacklevel=1)
+        warned.set()
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -212,7 +218,8 @@ def test_recompute_notes_do_not_take_other_threads_warnings(monkeypatch) -> None
         t = threading.Thread(target=other)
         t.start()
         TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer", gelu_recompute=True))
-        t.join()
+        t.join(60)
+    assert inside == [True] and warned.is_set()  # the other thread warned while the pass was running
     assert "thread B: its own warning" in shown, shown
     mine = [s for s in shown if "nothing in this model is recomputed" in s]
     assert len(mine) == 1 and "thread B" not in mine[0], shown
