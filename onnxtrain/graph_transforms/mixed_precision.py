@@ -127,7 +127,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     ``loss`` names the float32 loss; the result has a float32 ``[1]`` input ``loss_scale`` and an output
     ``scaled_loss`` = loss·loss_scale, the value to differentiate (default names the model already uses
     get a suffix: :func:`mixed_precision_info` holds the names). ``half_ops``/``fp32_ops`` replace the
-    default op classes, ``keep_fp32_nodes`` names nodes that must run in float32. Example::
+    default op classes (an op given in one leaves the other's default; in both, an error),
+    ``keep_fp32_nodes`` names nodes that must run in float32 (a name no node has is an error). Example::
 
         mp = mixed_precision(model, "loss")
         info = mixed_precision_info(mp)
@@ -142,9 +143,12 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     g = src.graph
     opset = model_opset(src)
     types = value_types(src)
-    half_set = frozenset(HALF_OPS if half_ops is None else half_ops)
-    f32_set = frozenset(FP32_OPS if fp32_ops is None else fp32_ops)
+    half_set, f32_set = _op_classes(half_ops, fp32_ops)
     keep_nodes = set(keep_fp32_nodes)
+    unknown = sorted(keep_nodes - {n.name for n in g.node if n.name})
+    if unknown:
+        raise ValueError(f"mixed_precision: keep_fp32_nodes {unknown} name no node of the model's graph (a "
+                         "node is kept by its name; control-flow bodies run in float32 already)")
     names = NameGen.for_model(src)
     if loss not in {o for n in g.node for o in n.output} | {i.name for i in g.input}:
         raise ValueError(f"mixed_precision: loss {loss!r} is not a value of the model")
@@ -230,7 +234,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
             nodes.append(node)
             continue
         schema = _schema(node, opset)
-        if node.op_type == "Cast" and _attr_int(node, "to") == TensorProto.FLOAT and node.input[0]:
+        if (node.op_type == "Cast" and _attr_int(node, "to") == TensorProto.FLOAT and node.input[0]
+                and node.name not in keep_nodes):  # (a kept one gives float32, as the op class below does)
             _rewrite_float_cast(node, orig, phys, kind)
             nodes.append(node)
             continue
@@ -494,6 +499,22 @@ def _runs_as_body(node: onnx.NodeProto, opset: int) -> bool:
     from onnxtrain.engine.registry import find_kernel
 
     return has_function(node.op_type, opset, node.domain) and find_kernel(node.op_type, opset) is None
+
+
+def _op_classes(half_ops: Iterable[str] | None,
+                fp32_ops: Iterable[str] | None) -> tuple[frozenset, frozenset]:
+    """The op types run in the half type and in float32: the defaults, or the lists given. An op given in
+    one list leaves the other one's default (``half_ops=["MatMul", "Softmax"]`` runs Softmax in half); an
+    op given in both is an error."""
+    half = None if half_ops is None else frozenset(half_ops)
+    f32 = None if fp32_ops is None else frozenset(fp32_ops)
+    if half is not None and f32 is not None and half & f32:
+        raise ValueError(f"mixed_precision: op(s) {sorted(half & f32)} are in both half_ops and fp32_ops")
+    if half is None:
+        half = HALF_OPS - (f32 or frozenset())
+    if f32 is None:
+        f32 = FP32_OPS - half
+    return half, f32
 
 
 def _schema(node: onnx.NodeProto, opset: int) -> onnx.defs.OpSchema | None:
