@@ -48,9 +48,9 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
 
     Nodes that do not lead to the outputs are removed, inputs nobody reads (e.g. ``target``) dropped.
     """
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"inference_model_uri must be a path, got {type(path).__name__}")
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # (bytes: the file's name, as onnxruntime-training's binding reads them)
     names = _check_output_names(graph_output_names)
     g = eval_model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer}

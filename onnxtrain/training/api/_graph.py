@@ -39,10 +39,18 @@ def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     if isinstance(uri, onnx.ModelProto):
         return uri, None
     if isinstance(uri, (bytes, bytearray, memoryview)):
-        try:
-            return onnx.load_from_string(bytes(uri)), None
-        except Exception as e:
-            raise ValueError(f"the {what} model bytes could not be parsed: {e}") from None
+        data = bytes(uri)
+        name = _file_name(data)
+        if name is None or not os.path.isfile(name):
+            try:
+                return onnx.load_from_string(data), None
+            except Exception as e:
+                if name is None:
+                    raise ValueError(f"the {what} model bytes could not be parsed: {e}") from None
+                if not os.path.exists(name):
+                    raise FileNotFoundError(f"Load model from {name} failed: the {what} model file does not "
+                                            f"exist (nor do the bytes parse as a model: {e})") from None
+        uri = name  # a file's name, as onnxruntime-training reads bytes
     if not isinstance(uri, (str, os.PathLike)):
         raise TypeError(f"the {what} model must be a path, bytes or an onnx.ModelProto, "
                         f"got {type(uri).__name__}")
@@ -54,6 +62,14 @@ def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"Load model from {path} failed: the {what} model file does not exist")
     return parse_model_file(path), path
+
+
+def _file_name(data: bytes) -> str | None:
+    """``data`` as a file name (``os.fsdecode``) when it may be one: no NUL and not past PATH_MAX; else None.
+    onnxruntime-training passes ``os.fspath(uri)`` to its binding, which takes bytes as the file's name."""
+    if not data or b"\0" in data or len(data) > 4096:
+        return None
+    return os.fsdecode(data)
 
 
 def parse_model_file(path: str) -> onnx.ModelProto:

@@ -17,7 +17,7 @@ from onnxtrain.training.onnxblock.model_accessor import BlockError
 @raises_as_onnxruntime
 def save_checkpoint(
     parameters: tuple[Sequence[onnx.TensorProto], Sequence[onnx.TensorProto]],
-    path_to_checkpoint: str | os.PathLike,
+    path_to_checkpoint: str | bytes | os.PathLike,
     nominal_checkpoint: bool = False,
 ) -> None:
     """Write ``(trainable, frozen)`` TensorProto lists as an onnxruntime-training checkpoint.
@@ -33,17 +33,17 @@ def save_checkpoint(
             raise BlockError(f"Duplicated tensor proto named {twice!r}: a checkpoint holds one value per "
                              "parameter name")
     trainable, frozen = ({t.name: numpy_helper.to_array(t) for t in group} for group in parameters)
-    _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint,
+    path = os.fsdecode(path_to_checkpoint)  # (bytes: the file's name, as onnxruntime-training reads them)
+    _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path,
           sort_parameters=False)
 
 
-def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike, model: onnx.ModelProto) -> None:
+def load_checkpoint_to_model(path_to_checkpoint: str | bytes | os.PathLike, model: onnx.ModelProto) -> None:
     """Copy the checkpoint's parameter values into ``model``'s initializers of the same names, in place."""
+    path_to_checkpoint = os.fsdecode(path_to_checkpoint)  # (bytes: the file's name, as onnxruntime-training)
     ckpt = load_checkpoint(path_to_checkpoint)
     if ckpt.nominal:
-        raise BlockError(
-            f"Cannot load a nominal checkpoint to a model proto: {os.fspath(path_to_checkpoint)}"
-        )
+        raise BlockError(f"Cannot load a nominal checkpoint to a model proto: {path_to_checkpoint}")
     values = {**ckpt.trainable, **ckpt.frozen}
     for t in model.graph.initializer:
         if t.name in values:
