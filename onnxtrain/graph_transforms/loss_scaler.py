@@ -41,8 +41,8 @@ class LossScaler:
     """A loss scale fed to the graph as a float32 ``[1]`` array; the base class keeps it fixed (static)."""
 
     def __init__(self, loss_scale: float = 1.0, input_name: str = "loss_scale"):
-        if not loss_scale > 0:
-            raise ValueError(f"loss_scale must be positive, got {loss_scale}")
+        if not 0 < loss_scale < float("inf"):  # (the first run feeding it refused it)
+            raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
         self.loss_scale = float(loss_scale)
         self.initial_loss_scale = float(loss_scale)
         self.input_name = input_name
@@ -81,8 +81,8 @@ class DynamicLossScaler(LossScaler):
                  up_scale_window: int = 2000, min_loss_scale: float = 1.0,
                  max_loss_scale: float = float(1 << 24), input_name: str = "loss_scale"):
         super().__init__(loss_scale, input_name)
-        if up_scale_window < 1:
-            raise ValueError(f"up_scale_window must be >= 1, got {up_scale_window}")
+        if not (up_scale_window >= 1 and float(up_scale_window).is_integer()):  # (2.5 was truncated)
+            raise ValueError(f"up_scale_window must be a whole number >= 1, got {up_scale_window}")
         if not 0 < min_loss_scale <= max_loss_scale:
             raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale, got {min_loss_scale}, "
                              f"{max_loss_scale}")
