@@ -15,6 +15,8 @@ from onnxtrain.ir.io import save_model_sized
 
 
 def _check_output_names(names: Sequence[str]) -> list[str]:
+    if isinstance(names, np.ndarray) and names.ndim == 1:  # a list, as onnxruntime-training takes it
+        names = names.tolist()
     if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
         raise TypeError(f"graph_output_names must be a list of str, got {type(names).__name__}")
     names = list(names)

@@ -1,0 +1,118 @@
+"""``export_model_for_inferencing`` takes its output names as onnxruntime-training 1.19.2's binding takes a
+``list[str]``: any sequence of str, a numpy array of str included (``np.array(names)[mask]``), while a str, a
+generator or a 2-D array is refused.
+
+Oracle: onnxruntime-training 1.19.2 (tests/ortt.py) exporting from its own artifacts with the same name
+containers: which calls it accepts, and the exported models' inputs, outputs and values (run by onnxruntime)
+against onnxtrain's exports from a copy of the same artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
+
+# the same calls on either side: the name containers, by key
+_DRIVER = r'''
+def exports(CheckpointState, Module, folder):
+    import os
+    import numpy as np
+    import onnx
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state,
+                    os.path.join(folder, "eval_model.onnx"))
+    cases = {"list": ["output", "c"], "tuple": ("c",), "array": np.array(["output", "c"]),
+             "masked array": np.array(["b", "output", "c"])[[False, True, False]],
+             "str": "output", "generator": (n for n in ["output"]), "2-d array": np.array([["output"]])}
+    out = {}
+    for key, names in cases.items():
+        path = os.path.join(folder, key.replace(" ", "_") + ".onnx")
+        try:
+            module.export_model_for_inferencing(path, names)
+        except (TypeError, RuntimeError, ValueError):
+            out[key] = None
+            continue
+        m = onnx.load(path)
+        out[key] = [[v.name for v in m.graph.input], [v.name for v in m.graph.output]]
+    return out
+'''
+
+_NS: dict = {}
+exec(compile(_DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same source onnxruntime-training runs
+
+_PEER = PREAMBLE + _DRIVER + r"""
+import onnx
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, Module
+base, folder, copy = sys.argv[1:4]
+artifacts.generate_artifacts(onnx.load(base), requires_grad=["fc1.weight", "fc2.bias"],
+                             frozen_params=["fc1.bias", "fc2.weight"], loss=artifacts.LossType.MSELoss,
+                             artifact_directory=folder)
+import shutil
+shutil.copytree(folder, copy)
+print(json.dumps(exports(CheckpointState, Module, folder)))
+"""
+
+
+def _mlp() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
+    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
+             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
+             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
+             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def test_output_name_containers_are_onnxruntime_trainings(tmp_path):
+    import onnxruntime as ort
+
+    from onnxtrain.training.api import CheckpointState, Module
+
+    python = ensure_ortt()
+    base = str(tmp_path / "mlp.onnx")
+    onnx.save(_mlp(), base)
+    theirs, ours = str(tmp_path / "ortt"), str(tmp_path / "onnxtrain")
+    os.makedirs(theirs)
+    reference = run_script(_PEER, base, theirs, ours, python=python)
+    assert reference["array"] is not None and reference["str"] is None  # (what the oracle says)
+    got = _NS["exports"](CheckpointState, Module, ours)
+    assert got == reference
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    for key, io in reference.items():
+        if io is None:
+            continue
+        name = key.replace(" ", "_") + ".onnx"
+        results = [ort.InferenceSession(os.path.join(folder, name), providers=["CPUExecutionProvider"])
+                   .run(None, {"input": x}) for folder in (ours, theirs)]
+        for a, b in zip(*results):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=key)
+    shutil.rmtree(ours)
+
+
+@pytest.mark.parametrize("names", [[np.str_("output")], np.array(["output"], dtype=object)])
+def test_numpy_strings_name_outputs(tmp_path, names):
+    """numpy's str scalars are str; an object array of str is a list of names too."""
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module
+
+    artifacts.generate_artifacts(_mlp(), requires_grad=["fc2.bias"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=str(tmp_path))
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    module.export_model_for_inferencing(str(tmp_path / "out.onnx"), names)
+    m = onnx.load(str(tmp_path / "out.onnx"))
+    assert [v.name for v in m.graph.output] == ["output"]
+    onnx.checker.check_model(m, full_check=True)
