@@ -574,7 +574,8 @@ def build_step_graphs(
             raise ValueError(f"weights_to_train: {e}" if p.weights_to_train else str(e)) from None
         raise
     same_size = same_size_dims(grad)  # (the session checks them: feeds_checked)
-    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed)
+    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed,
+                             _graph_values(model) | {t.name for t in model.graph.initializer})
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -834,22 +835,30 @@ def _emit_update(
 
 
 def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
-                      weights: list[str], renamed: dict[str, str]) -> onnx.ModelProto:
+                      weights: list[str], renamed: dict[str, str], model_values: set[str]) -> onnx.ModelProto:
     """The recompute pass the parameters ask for; errors name the parameter, and options that select
     nothing in this model are named in a warning (onnxruntime said nothing either way). ``renamed``: the
-    model's values renamed apart from the session's state (:func:`_rename_state_clashes`)."""
+    model's values renamed apart from the session's state (:func:`_rename_state_clashes`); ``model_values``:
+    the names of the user's model, whose checkpoints the session's rewrites may have removed or left as
+    initializers (a Dropout's training-mode Constant, a float32 Constant that mixed precision remade in
+    half, a frozen weight): constants, which are never recomputed, so they keep nothing more and are left
+    out; a name of neither graph is an error."""
     asked = [k for k in ("gelu_recompute", "attn_dropout_recompute", "transformer_layer_recompute")
              if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
     if not asked:
         return grad
     label = f"TrainingParameters {', '.join(asked)}"
+    checkpoints = None
+    if p.recompute_checkpoints:  # (all of them left out: still a checkpoint recompute, of every activation)
+        present = _graph_values(grad)  # (an initializer, a frozen weight, is a constant of the step too)
+        checkpoints = [renamed.get(c, c) for c in p.recompute_checkpoints
+                       if renamed.get(c, c) in present or c not in model_values]
     try:
         return recompute_or_warn(grad, loss, label, gelu=p.gelu_recompute,
                                  attn_dropout=p.attn_dropout_recompute,
                                  transformer_layer=p.transformer_layer_recompute,
                                  number_recompute_layers=p.number_recompute_layers,
-                                 checkpoints=[renamed.get(c, c) for c in p.recompute_checkpoints] or None,
-                                 weights=weights)
+                                 checkpoints=checkpoints, weights=weights)
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
 
