@@ -13,37 +13,46 @@ import numpy as np
 from onnx import TensorProto, helper
 
 import onnxtrain
+from tests.lock_watch import first_set, watched_lock
 from tests.session.helpers import mlp_model, params
 
 
-def _blocked_while_held(lock, call) -> None:
-    """``call()`` in a thread does not finish while ``lock`` is held by another thread, and does after."""
+def _blocked_while_held(owner, attr: str, call) -> None:
+    """``call()`` in a thread does not finish while ``owner.attr`` (a lock) is held by another thread: it
+    waits for the lock (seen by :func:`tests.lock_watch.watched_lock`, not by giving it a fixed time, which a
+    loaded host could spend before the call even began), and finishes once the lock is let go."""
     held, release = threading.Event(), threading.Event()
+    lock = getattr(owner, attr)
 
     def hold() -> None:
         with lock:
             held.set()
-            release.wait(10)
+            release.wait(60)
 
     holder = threading.Thread(target=hold)
     holder.start()
-    held.wait(10)
-    done = threading.Event()
-    caller = threading.Thread(target=lambda: (call(), done.set()))
-    caller.start()
-    assert not done.wait(0.3), "ran while a step held the lock (mixed or half-written state)"
-    release.set()
-    assert done.wait(10)
-    holder.join()
-    caller.join()
+    try:
+        assert held.wait(60)
+        with watched_lock(owner, attr) as watched:
+            done = threading.Event()
+            caller = threading.Thread(target=lambda: (call(), done.set()))
+            caller.start()
+            assert first_set(watched.waiting, done), "the call neither waited for the lock nor ended"
+            assert not done.is_set(), "ran while a step held the lock (mixed or half-written state)"
+            release.set()
+            assert done.wait(60)
+            caller.join()
+    finally:
+        release.set()
+        holder.join()
 
 
 def test_state_snapshots_wait_for_a_running_step() -> None:
     # get_model_state/get_optimizer_state read the arrays while a step in another thread wrote them: 24-41 of
     # 420 snapshots mixed steps or held half-updated tensors
     s = onnxtrain.TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
-    _blocked_while_held(s._run_lock, s.get_model_state)
-    _blocked_while_held(s._run_lock, s.get_optimizer_state)
+    _blocked_while_held(s, "_run_lock", s.get_model_state)
+    _blocked_while_held(s, "_run_lock", s.get_optimizer_state)
 
 
 def test_a_checkpoint_waits_for_a_running_step(tmp_path) -> None:
@@ -53,7 +62,8 @@ def test_a_checkpoint_waits_for_a_running_step(tmp_path) -> None:
     from onnxtrain.training.api import CheckpointState
 
     state = CheckpointState(Checkpoint(trainable={"w": np.ones(3, np.float32)}))
-    _blocked_while_held(state._lock, lambda: CheckpointState.save_checkpoint(state, str(tmp_path / "c.ckpt")))
+    path = str(tmp_path / "c.ckpt")
+    _blocked_while_held(state, "_lock", lambda: CheckpointState.save_checkpoint(state, path))
 
 
 def test_seeded_random_nodes_draw_one_sequence_over_concurrent_first_runs() -> None:
@@ -129,6 +139,7 @@ import multiprocessing as mp, threading, faulthandler, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import onnxtrain
+from tests.lock_watch import first_set, watched_lock
 from tests.session.helpers import mlp_model, params
 s = onnxtrain.TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
 held, release = threading.Event(), threading.Event()
