@@ -17,6 +17,7 @@ from onnx import helper
 import onnxtrain
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
+from tests.lock_watch import first_set, watched_lock
 from tests.session.helpers import backend_options, batches, in_threads, mlp_model, params
 
 BACKENDS = ["numpy", "onnxruntime"]
@@ -237,20 +238,23 @@ def test_setting_a_parameter_waits_for_a_running_step() -> None:
     def hold() -> None:  # as a Module's training call or an Optimizer.step holds it
         with state._lock:
             held.set()
-            release.wait(10)
+            release.wait(60)
 
     holder = threading.Thread(target=hold)
     holder.start()
-    held.wait(10)
-    setter = threading.Thread(target=lambda: (state.parameters.__setitem__("w", np.zeros(3, np.float32)),
-                                              done.set()))
-    setter.start()
     try:
-        assert not done.wait(0.3), "a parameter was written while a step held the state"
+        assert held.wait(60)
+        with watched_lock(state, "_lock") as watched:  # (the setter waiting for the lock is seen, not timed)
+            setter = threading.Thread(
+                target=lambda: (state.parameters.__setitem__("w", np.zeros(3, np.float32)), done.set()))
+            setter.start()
+            assert first_set(watched.waiting, done), "the setter neither waited for the lock nor ended"
+            assert not done.is_set(), "a parameter was written while a step held the state"
+            release.set()
+            setter.join(60)
     finally:
         release.set()
         holder.join()
-        setter.join()
     assert done.is_set()
     np.testing.assert_array_equal(state.parameters["w"].data, np.zeros(3, np.float32))
 
@@ -287,21 +291,26 @@ def test_lazy_reset_grad_during_a_training_call_applies_to_the_next(tmp_path, ba
 
     def held_run(*args, **kwargs):
         inside.set()
-        go.wait(10)
+        go.wait(60)
         return run(*args, **kwargs)
 
     plan.run = held_run
     try:
         call = threading.Thread(target=module, args=data[1])
         call.start()
-        assert inside.wait(10)
-        reset = threading.Thread(target=module.lazy_reset_grad)
-        reset.start()
-        reset.join(0.2)
-        go.set()
-        call.join(30)
-        reset.join(30)
+        assert inside.wait(60)
+        with watched_lock(state, "_lock") as watched:
+            reset_done = threading.Event()
+            reset = threading.Thread(target=lambda: (module.lazy_reset_grad(), reset_done.set()))
+            reset.start()
+            # the reset, asked for while the call runs, waits for the call's lock (or, taking none, is done)
+            # before the call goes on: a fixed 0.2 s could pass before a loaded host had begun it
+            assert first_set(watched.waiting, reset_done), "the reset neither waited for the lock nor ended"
+            go.set()
+            call.join(60)
+            reset.join(60)
     finally:
+        go.set()
         plan.run = run
     module(*data[2])  # after the reset: this batch's gradients alone
     want = _torch_grads(model, *data[2])
@@ -326,7 +335,9 @@ def test_a_checkpoint_saved_while_an_optimizer_is_made_has_whole_moments(tmp_pat
             super().__setitem__(key, value)
             if not inside.is_set():
                 inside.set()
-                saved.wait(0.5)
+                # the save in the other thread runs now, or waits for the state's lock (seen, not timed: a
+                # fixed 0.5 s could pass before a loaded host had begun the save)
+                assert first_set(saved, watched.waiting), "the save neither waited for the lock nor ended"
 
     class Moments(dict):
         def setdefault(self, key, default=None):
@@ -336,14 +347,16 @@ def test_a_checkpoint_saved_while_an_optimizer_is_made_has_whole_moments(tmp_pat
     path = str(tmp_path / "during.ckpt")
 
     def save() -> None:
-        inside.wait(10)
+        inside.wait(60)
         CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
         saved.set()
 
-    saver = threading.Thread(target=save)
-    saver.start()
-    Optimizer(os.path.join(tmp_path, "optimizer_model.onnx"), module)
-    saver.join(30)
+    with watched_lock(state, "_lock") as watched:
+        saver = threading.Thread(target=save)
+        saver.start()
+        Optimizer(os.path.join(tmp_path, "optimizer_model.onnx"), module)
+        saver.join(60)
+    assert inside.is_set() and saved.is_set()
     loaded = CheckpointState.load_checkpoint(path)
     moments = loaded._optimizer.moments
     assert sorted(moments) == ["W1", "W2", "b1", "b2"]
