@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
 from onnxtrain.training.api.checkpoint_state import LEARNING_RATE_PROPERTY
+from tests.lock_watch import first_set, watched_lock
 
 F = TensorProto.FLOAT
 TRAINABLE = ("W", "b")
@@ -882,15 +883,19 @@ def test_module_readers_wait_for_an_optimizer_step_in_another_thread(art, tmp_pa
     real = opt._step
 
     def step() -> None:
-        t = threading.Thread(target=lambda: (calls[reader](), order.append("reader")))
+        read = threading.Event()
+        t = threading.Thread(target=lambda: (calls[reader](), order.append("reader"), read.set()))
         t.start()
-        t.join(0.3)  # long enough for an unblocked reader to finish
+        # the reader waits for the state's lock that the step holds, or (taking none) is done: seen, not
+        # timed (a fixed 0.3 s could pass before a loaded host had begun the reader)
+        assert first_set(watched.waiting, read), "the reader neither waited for the lock nor ended"
         order.append("step")
         real()
         watch.append(t)
 
     watch: list[threading.Thread] = []
     monkeypatch.setattr(opt, "_step", step)
-    opt.step()
-    watch[0].join(10)
+    with watched_lock(state, "_lock") as watched:
+        opt.step()
+        watch[0].join(60)
     assert order == ["step", "reader"]
