@@ -306,6 +306,8 @@ class Module:
         self._same_size = same_size_dims(self._train_model)
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: GraphInterface | None = None
+        # parameters of the state the eval model holds as initializers of its own (_classify_eval_graph)
+        self._eval_shadowed: list[str] = []
         eval_path = None
         if eval_model_uri is not None:
             begin = time.perf_counter_ns()
@@ -499,6 +501,19 @@ class Module:
             self._warn_unheld([v for v in inputs if v.name not in training], {v.name for v in inputs}, "eval")
         self._eval_outputs = [v.name for v in g.output]
         self._check_param_shapes(self._eval_model, "eval")
+        # the base model (or an eval model of other artifacts) passed as the eval model: its own values of the
+        # state's parameters are not the trained ones. onnxruntime-training builds the Module and refuses the
+        # evaluation (it feeds the parameters to a model that does not take them); its export writes the eval
+        # model's values
+        self._eval_shadowed = [t.name for t in g.initializer if t.name in self._state._params]
+        if self._eval_shadowed:
+            warn(f"the eval model holds parameter(s) {self._eval_shadowed} of the checkpoint state as "
+                 f"initializers of its own: {self._eval_refusal()}")
+
+    def _eval_refusal(self) -> str:
+        return ("an evaluation would not see the trained values, and is refused (as onnxruntime-training "
+                "refuses it); export_model_for_inferencing writes the eval model's own values. Pass the "
+                "eval model generate_artifacts wrote, which takes the parameters as inputs")
 
     def _check_param_shapes(self, model: onnx.ModelProto, what: str) -> None:
         params = self._state._params
@@ -652,6 +667,9 @@ class Module:
         if self._eval_plan is None:
             raise RuntimeError("Evaluation session not initialized: this Module was created without an eval "
                                "model (Module(train_model, state, eval_model)); switch back with train()")
+        if self._eval_shadowed:
+            raise ValueError(f"the eval model holds parameter(s) {self._eval_shadowed} of the checkpoint "
+                             f"state as initializers of its own: {self._eval_refusal()}")
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         user_feeds = dict(feeds)
         feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
