@@ -37,10 +37,22 @@ def step_was_finite(train_step_info: Any) -> bool:
     return bool(values[0])
 
 
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float; TypeError naming argument ``name`` when it is no number (a string: a call in the
+    order of onnxruntime's older ``LossScaler(loss_scale_input_name, is_dynamic_scale, ...)``)."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
+
+
 class LossScaler:
     """A loss scale fed to the graph as a float32 ``[1]`` array; the base class keeps it fixed (static)."""
 
     def __init__(self, loss_scale: float = 1.0, input_name: str = "loss_scale"):
+        loss_scale = _number("loss_scale", loss_scale)
         if not 0 < loss_scale < float("inf"):  # (the first run feeding it refused it)
             raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
         self.loss_scale = float(loss_scale)
@@ -81,6 +93,9 @@ class DynamicLossScaler(LossScaler):
                  up_scale_window: int = 2000, min_loss_scale: float = 1.0,
                  max_loss_scale: float = float(1 << 24), input_name: str = "loss_scale"):
         super().__init__(loss_scale, input_name)
+        up_scale_window = _number("up_scale_window", up_scale_window)
+        min_loss_scale = _number("min_loss_scale", min_loss_scale)
+        max_loss_scale = _number("max_loss_scale", max_loss_scale)
         if not (up_scale_window >= 1 and float(up_scale_window).is_integer()):  # (2.5 was truncated)
             raise ValueError(f"up_scale_window must be a whole number >= 1, got {up_scale_window}")
         if not 0 < min_loss_scale <= max_loss_scale:

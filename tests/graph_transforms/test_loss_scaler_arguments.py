@@ -1,6 +1,7 @@
-"""The loss scalers' arguments: a window of clean steps that is no whole number and a start scale that is not
-finite are refused when the scaler is made, naming the argument (one was truncated, the other accepted and
-refused by the first run that fed it)."""
+"""The loss scalers' arguments: a window of clean steps that is no whole number, a start scale that is not
+finite and an argument that is no number are refused when the scaler is made, naming the argument (the
+window was truncated, the scale accepted and refused by the first run that fed it, a string compared with an
+int)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,15 @@ def test_a_window_that_is_no_whole_number_is_refused(window: float) -> None:
 def test_a_start_scale_that_is_not_positive_and_finite_is_refused(cls: type, scale: float) -> None:
     with pytest.raises(ValueError, match="loss_scale"):
         cls(loss_scale=scale)
+
+
+@pytest.mark.parametrize("kw", [{"loss_scale": "loss_scale"}, {"up_scale_window": "2000"},
+                                {"min_loss_scale": None}, {"max_loss_scale": [2.0]}])
+def test_an_argument_that_is_no_number_is_named(kw: dict) -> None:
+    """(a TypeError comparing a str with an int, naming nothing; onnxruntime's older LossScaler took the
+    input's name first: LossScaler("loss_scale", True))"""
+    with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a number"):
+        DynamicLossScaler(**kw)
+    if "loss_scale" in kw:
+        with pytest.raises(TypeError, match="loss_scale must be a number"):
+            LossScaler("loss_scale", True)
