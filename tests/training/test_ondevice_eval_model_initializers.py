@@ -1,5 +1,6 @@
 """An eval model that holds checkpoint parameters as initializers of its own (the base model passed as
-``eval_model_uri``, or an eval model of another generation) cannot evaluate the trained state.
+``eval_model_uri``, or an eval model of another generation) cannot evaluate the trained state; such a
+training model cannot train it.
 
 onnxruntime-training 1.19.2 builds such a Module, but its evaluation fails (it feeds the state's parameters
 to an eval model that does not take them: "feed names has 1 elements, but feed has 5 elements"), and its
@@ -7,6 +8,9 @@ export writes the eval model's own values. onnxtrain evaluated with the eval mod
 training, eval mode kept giving the untrained model's outputs, without a word. Now the Module warns when
 it is made, naming the parameters, and an evaluation is refused naming them, as onnxruntime-training
 refuses it; the export stays onnxruntime-training's (its file gives the values onnxruntime-training's does).
+The same for the base model passed as the training model: onnxruntime-training refuses its training call
+("Invalid input name: lazy_reset_grad"); onnxtrain ran it with the model's own values and computed no
+gradient, so nothing trained; now it warns and refuses the call.
 
 Oracle: onnxruntime-training 1.19.2 (tests/ortt.py) on its artifacts, for the refusal and the exported
 values; onnxruntime running the base model for the values an evaluation of its initializers gives.
@@ -55,6 +59,15 @@ module.export_model_for_inferencing(folder + "/exported.onnx", ["output"])
 out["exported"] = ort.InferenceSession(folder + "/exported.onnx", providers=["CPUExecutionProvider"]).run(
     None, {"input": x})[0].tolist()
 out["trained"] = {n: p.data.tolist() for n, p in state.parameters}
+# the base model as the training model
+other = CheckpointState.load_checkpoint(folder + "/checkpoint")
+module = Module(base, other)
+out["training names"] = [module.input_names(), module.output_names()]
+try:
+    module(x)
+    out["train"] = "ran"
+except RuntimeError as e:
+    out["train"] = str(e)
 print(json.dumps(out))
 """
 
@@ -139,3 +152,23 @@ def test_the_generated_eval_model_evaluates_the_trained_state(peer, tmp_path):
     want = np.maximum(x @ p["fc1.weight"] + p["fc1.bias"], 0) @ p["fc2.weight"] + p["fc2.bias"]
     loss = module(x, np.zeros((2, 3), np.float32))
     np.testing.assert_allclose(loss, np.mean(want ** 2), rtol=1e-5)
+
+
+def test_the_base_model_as_training_model_is_refused_as_onnxruntime_training(peer, tmp_path):
+    from onnxtrain.training.api import CheckpointState, Module
+
+    reference, base, ours = peer
+    assert "Invalid input name: lazy_reset_grad" in reference["train"]  # (how onnxruntime-training refuses)
+    state = CheckpointState.load_checkpoint(os.path.join(ours, "checkpoint"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = Module(base, state)
+    shadowed = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert any(all(n in str(w.message) for n in shadowed) and "training model" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert [module.input_names(), module.output_names()] == reference["training names"]
+    with pytest.raises(RuntimeError, match="initializers") as refused:
+        module(np.ones((2, 4), np.float32))
+    assert isinstance(refused.value, ValueError)
+    assert all(n in str(refused.value) for n in shadowed)
+    assert all(p.grad is None or not p.grad.any() for _, p in state.parameters)

@@ -426,6 +426,11 @@ class Module:
         init = {t.name for t in g.initializer}
         inputs = [v for v in g.input if v.name not in init]
         names = {v.name for v in inputs}
+        # the base model (or another artifact set's training model) passed as the training model: its own
+        # values of the state's parameters would be used, and no gradient of them computed
+        self._train_shadowed = [t.name for t in g.initializer if t.name in params]
+        if self._train_shadowed:
+            warn(self._shadowing("training"))
         self._param_order: list[str] = [v.name for v in inputs if v.name in params]
         self._trainable = [p for p in self._param_order if params[p].requires_grad]
         self._buffers = {p: p + BUFFER_SUFFIX for p in self._trainable if p + BUFFER_SUFFIX in names}
@@ -507,13 +512,20 @@ class Module:
         # model's values
         self._eval_shadowed = [t.name for t in g.initializer if t.name in self._state._params]
         if self._eval_shadowed:
-            warn(f"the eval model holds parameter(s) {self._eval_shadowed} of the checkpoint state as "
-                 f"initializers of its own: {self._eval_refusal()}")
+            warn(self._shadowing("eval"))
 
-    def _eval_refusal(self) -> str:
-        return ("an evaluation would not see the trained values, and is refused (as onnxruntime-training "
-                "refuses it); export_model_for_inferencing writes the eval model's own values. Pass the "
-                "eval model generate_artifacts wrote, which takes the parameters as inputs")
+    def _shadowing(self, what: str) -> str:
+        """Why a training call (``what`` "training") or an evaluation ("eval") is refused: its model holds
+        parameters of the state as initializers of its own."""
+        if what == "training":
+            names, step = self._train_shadowed, ("a training call would neither read the state's values nor "
+                                                  "compute their gradients")
+        else:
+            names, step = self._eval_shadowed, ("an evaluation would not see the trained values; "
+                                                "export_model_for_inferencing writes the eval model's own")
+        return (f"the {what} model holds parameter(s) {names} of the checkpoint state as initializers of its "
+                f"own: {step}, so it is refused, as onnxruntime-training refuses it. Pass the {what} model "
+                "generate_artifacts wrote, which takes the parameters as inputs")
 
     def _check_param_shapes(self, model: onnx.ModelProto, what: str) -> None:
         params = self._state._params
@@ -591,6 +603,8 @@ class Module:
         return feeds
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
+        if self._train_shadowed:
+            raise ValueError(self._shadowing("training"))
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
         if self._same_size:
             check_same_sizes(self._same_size, feeds, "the training model")
@@ -668,8 +682,7 @@ class Module:
             raise RuntimeError("Evaluation session not initialized: this Module was created without an eval "
                                "model (Module(train_model, state, eval_model)); switch back with train()")
         if self._eval_shadowed:
-            raise ValueError(f"the eval model holds parameter(s) {self._eval_shadowed} of the checkpoint "
-                             f"state as initializers of its own: {self._eval_refusal()}")
+            raise ValueError(self._shadowing("eval"))
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         user_feeds = dict(feeds)
         feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
