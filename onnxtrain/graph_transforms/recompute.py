@@ -523,10 +523,12 @@ def find_transformer_layers(model: onnx.ModelProto, loss: str) -> list[tuple[str
     return layers
 
 
-def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute_layers: int = 0) -> set[str]:
+def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute_layers: int = 0,
+                             layers: list | None = None) -> set[str]:
     """Activations of the first ``number_recompute_layers`` layers (0: all layers but the last; a negative
-    value too, with a note, as onnxruntime's transformer read any value below 1)."""
-    layers = find_transformer_layers(model, loss)
+    value too, with a note, as onnxruntime's transformer read any value below 1); ``layers``: those
+    :func:`find_transformer_layers` found, when known."""
+    layers = find_transformer_layers(model, loss) if layers is None else layers
     if not layers:
         _note("transformer_layer_recompute: no transformer layer found; nothing is recomputed")
         return set()
@@ -597,11 +599,18 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
     forward_outputs = list(forward_outputs)
     fa = _Forward(model, loss, forward_outputs, weights=weights)
     if gelu:
-        values |= gelu_values(fa, loss)
+        values |= _selected(fa, gelu_values(fa, loss), "the GELU recompute finds no GELU (a Gelu op, or the "
+                            "Erf or Tanh form exporters write) whose values the backward pass keeps")
     if attn_dropout:
-        values |= attn_dropout_values(fa, loss)
+        values |= _selected(fa, attn_dropout_values(fa, loss), "the attention-dropout recompute finds no "
+                            "Dropout between a Softmax and a MatMul whose output the backward pass keeps")
     if transformer_layer:
-        values |= transformer_layer_values(fa, loss, number_recompute_layers)
+        found = find_transformer_layers(fa, loss)
+        layer_values = transformer_layer_values(fa, loss, number_recompute_layers, found)
+        if len(found) == 1:  # (none found: transformer_layer_values says so)
+            _selected(fa, layer_values, "the transformer-layer recompute finds one transformer layer, the "
+                      "last, which is never recomputed (the backward pass uses its activations at once)")
+        values |= layer_values
     if checkpoints is not None:
         values |= checkpoint_values(fa, loss, checkpoints)
     return (recompute_values(model, loss, values, forward_outputs, weights=weights, one_graph=one_graph)
@@ -610,6 +619,17 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
 
 # the notes of the pass running in this thread, when :func:`recompute_or_warn` collects them (else warnings)
 _NOTES: ContextVar[list[str] | None] = ContextVar("recompute_notes", default=None)
+# the options of that pass that select nothing, said when the others recompute something
+_IDLE: ContextVar[list[str] | None] = ContextVar("recompute_idle", default=None)
+
+
+def _selected(fa: _Forward, found: set[str], idle: str) -> set[str]:
+    """``found``; when none of it can be recomputed, ``idle`` (why) is recorded for
+    :func:`recompute_or_warn`."""
+    record = _IDLE.get()
+    if record is not None and not any(fa.recomputable(v) for v in found):
+        record.append(idle)
+    return found
 
 
 def _note(message: str) -> None:
@@ -623,21 +643,25 @@ def _note(message: str) -> None:
 def recompute_or_warn(model: onnx.ModelProto, loss: str, label: str, **options: Any) -> onnx.ModelProto:
     """:func:`recompute` with one warning, naming ``label`` (the options as the caller knows them), when
     it recomputes nothing, holding the pass's own reasons (no transformer layer found, ...); otherwise its
-    notes as warnings. The notes are collected per thread (a context variable), not by catching warnings,
-    which would take other threads' warnings too."""
+    notes as warnings, and one for each option that selects nothing beside others that do. The notes are
+    collected per thread (a context variable), not by catching warnings, which would take other threads'
+    warnings too."""
     before = len(model.graph.node)
-    token = _NOTES.set([])
+    token, idle_token = _NOTES.set([]), _IDLE.set([])
     try:
         out = recompute(model, loss, one_graph=True, **options)
-        notes = _NOTES.get() or []
+        notes, idle = _NOTES.get() or [], _IDLE.get() or []
     finally:
         _NOTES.reset(token)
+        _IDLE.reset(idle_token)
     if len(out.graph.node) == before:  # the pass adds a clone per recomputed node
         why = "; ".join(notes) or "no value the options select is kept for the backward pass"
         warn(f"{label}: nothing in this model is recomputed ({why})")
     else:
         for note in notes:
             warn(note)
+        for why in idle:  # an option selecting nothing beside others that do (it was said of none alone)
+            warn(f"{label}: {why}, so it recomputes nothing (the other options' values are recomputed)")
     return out
 
 
