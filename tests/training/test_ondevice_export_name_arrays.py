@@ -116,3 +116,75 @@ def test_numpy_strings_name_outputs(tmp_path, names):
     m = onnx.load(str(tmp_path / "out.onnx"))
     assert [v.name for v in m.graph.output] == ["output"]
     onnx.checker.check_model(m, full_check=True)
+
+
+# output names given as bytes: onnxruntime-training's binding converts each to its std::string (bytes and
+# bytearray taken as they are), so these name the outputs whose UTF-8 they are; a bytes or bytearray object
+# itself is no list of names, and a name that is no output's (invalid UTF-8) is refused
+_BYTES_DRIVER = r'''
+def byte_exports(CheckpointState, Module, folder):
+    import os
+    import numpy as np
+    import onnx
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state,
+                    os.path.join(folder, "eval_model.onnx"))
+    cases = {"bytes list": [b"output", b"c"], "bytes array": np.array([b"c", b"output"]),
+             "bytearray list": [bytearray(b"output")], "mixed list": ["c", b"output"],
+             "bytes object array": np.array([b"output"], dtype=object), "bytes": b"output",
+             "bytearray": bytearray(b"output"), "not utf-8": [b"output\xff"]}
+    out = {}
+    for key, names in cases.items():
+        path = os.path.join(folder, "b_" + key.replace(" ", "_").replace("-", "") + ".onnx")
+        try:
+            module.export_model_for_inferencing(path, names)
+        except (TypeError, RuntimeError, ValueError):
+            out[key] = None
+            continue
+        m = onnx.load(path)
+        out[key] = [[v.name for v in m.graph.input], [v.name for v in m.graph.output]]
+    return out
+'''
+
+exec(compile(_BYTES_DRIVER, "<bytes driver>", "exec"), _NS)  # noqa: S102 - the same source on either side
+
+_BYTES_PEER = PREAMBLE + _BYTES_DRIVER + r"""
+import onnx
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, Module
+base, folder, copy = sys.argv[1:4]
+artifacts.generate_artifacts(onnx.load(base), requires_grad=["fc1.weight", "fc2.bias"],
+                             frozen_params=["fc1.bias", "fc2.weight"], loss=artifacts.LossType.MSELoss,
+                             artifact_directory=folder)
+import shutil
+shutil.copytree(folder, copy)
+print(json.dumps(byte_exports(CheckpointState, Module, folder)))
+"""
+
+
+def test_output_names_given_as_bytes_are_onnxruntime_trainings(tmp_path):
+    """onnxruntime-training 1.19.2 exports with names given as bytes or bytearray (in a list or a numpy
+    array) the outputs they spell; onnxtrain refused them ('graph_output_names must hold str')."""
+    import onnxruntime as ort
+
+    from onnxtrain.training.api import CheckpointState, Module
+
+    python = ensure_ortt()
+    base = str(tmp_path / "mlp.onnx")
+    onnx.save(_mlp(), base)
+    theirs, ours = str(tmp_path / "ortt"), str(tmp_path / "onnxtrain")
+    os.makedirs(theirs)
+    reference = run_script(_BYTES_PEER, base, theirs, ours, python=python)
+    # (what the oracle says: bytes names are taken, a bytes object as the list is not)
+    assert reference["bytes list"] == [["input"], ["output", "c"]] and reference["bytes"] is None
+    got = _NS["byte_exports"](CheckpointState, Module, ours)
+    assert got == reference
+    x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
+    for key, io in reference.items():
+        if io is None:
+            continue
+        name = "b_" + key.replace(" ", "_").replace("-", "") + ".onnx"
+        results = [ort.InferenceSession(os.path.join(folder, name), providers=["CPUExecutionProvider"])
+                   .run(None, {"input": x}) for folder in (ours, theirs)]
+        for a, b in zip(*results, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=key)
