@@ -19,7 +19,10 @@ def _check_output_names(names: Sequence[str]) -> list[str]:
         names = names.tolist()
     if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
         raise TypeError(f"graph_output_names must be a list of str, got {type(names).__name__}")
-    names = list(names)
+    # a name given as bytes or bytearray is the one it spells in UTF-8, as onnxruntime-training's binding
+    # takes it (as the name's string); invalid UTF-8 is kept escaped, and names no value
+    names = [bytes(n).decode("utf-8", "surrogateescape") if isinstance(n, (bytes, bytearray)) else n
+             for n in names]
     if not names:
         raise ValueError("Expected a non empty vector of graph output names. Got an empty vector.")
     bad = [n for n in names if not isinstance(n, str)]
