@@ -574,8 +574,10 @@ def build_step_graphs(
             raise ValueError(f"weights_to_train: {e}" if p.weights_to_train else str(e)) from None
         raise
     same_size = same_size_dims(grad)  # (the session checks them: feeds_checked)
-    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed,
-                             _graph_values(model) | {t.name for t in model.graph.initializer})
+    inits = {t.name for t in model.graph.initializer}
+    constants = inits | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed, _graph_values(model) | inits,
+                             constants)
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -835,14 +837,18 @@ def _emit_update(
 
 
 def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
-                      weights: list[str], renamed: dict[str, str], model_values: set[str]) -> onnx.ModelProto:
+                      weights: list[str], renamed: dict[str, str], model_values: set[str],
+                      model_constants: set[str]) -> onnx.ModelProto:
     """The recompute pass the parameters ask for; errors name the parameter, and options that select
     nothing in this model are named in a warning (onnxruntime said nothing either way). ``renamed``: the
     model's values renamed apart from the session's state (:func:`_rename_state_clashes`); ``model_values``:
     the names of the user's model, whose checkpoints the session's rewrites may have removed or left as
     initializers (a Dropout's training-mode Constant, a float32 Constant that mixed precision remade in
     half, a frozen weight): constants, which are never recomputed, so they keep nothing more and are left
-    out; a name of neither graph is an error."""
+    out; a name of neither graph is an error. A left-out name that is no constant of the model
+    (``model_constants``: its initializers and Constant outputs) is an activation a rewrite replaced, such as
+    the Sigmoid of a Log(Sigmoid(z)) computed as -softplus(-z): it is left out too, named in a warning, since
+    the step keeps less than the list says."""
     asked = [k for k in ("gelu_recompute", "attn_dropout_recompute", "transformer_layer_recompute")
              if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
     if not asked:
@@ -853,6 +859,12 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
         present = _graph_values(grad)  # (an initializer, a frozen weight, is a constant of the step too)
         checkpoints = [renamed.get(c, c) for c in p.recompute_checkpoints
                        if renamed.get(c, c) in present or c not in model_values]
+        replaced = [c for c in p.recompute_checkpoints
+                    if renamed.get(c, c) not in present and c in model_values and c not in model_constants]
+        if replaced:
+            warn(f"TrainingParameters recompute_checkpoints: {replaced} are values of the model that the "
+                 "session's rewrites replaced (a Log(Sigmoid(z)) is computed as -softplus(-z), for one), so "
+                 "the step has no such value to keep; they are left out")
     try:
         return recompute_or_warn(grad, loss, label, gelu=p.gelu_recompute,
                                  attn_dropout=p.attn_dropout_recompute,
