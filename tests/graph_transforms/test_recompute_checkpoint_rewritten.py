@@ -5,7 +5,7 @@ constants it was written for (a Dropout's training-mode Constant, a frozen weigh
 changes nothing. For an activation the user asked to keep, the checkpoint list then keeps less than it
 names, and the user is not told (recompute options that act on nothing are otherwise named in a warning).
 
-Review of ec1970d5 (task R1): fails until the session names such a left-out activation in a warning."""
+Review of ec1970d5: failed until a3b079ae named such a left-out activation in a warning."""
 
 from __future__ import annotations
 
