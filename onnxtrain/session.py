@@ -307,6 +307,12 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if self._dp is not None and self._dp.mode == "adasum" and mp is not None and self._opt is not None:
             # made by the exchange
             self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", FLAG_SHAPE))
+        # a loss the model computes but does not list as an output stays out of get_outputs() and run(None),
+        # as onnxruntime-training 1.16.3 kept it inside its training graph (a script unpacks run(None) by
+        # position); a run may still fetch it by name (1.16.3 refused that), see _output_list
+        unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}
+        self._unlisted_outputs = unlisted & {o.name for o in self._outputs}
+        self._outputs = [o for o in self._outputs if o.name not in unlisted]
         self._output_names = [o.name for o in self._outputs]
         overridable = [a.name for a in self._overridable]
         self._check = FeedChecker(graph_interface(g.full) if self._halves else self._plan, overridable)
@@ -548,6 +554,17 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         out = results[: len(names)]
         # a path run's Identity of a weight is the session's array: the caller gets a copy
         return own_outputs(out, self._store) if kind != "full" else out
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        """As the base class's, and an unlisted loss (see _build) may be asked for by name."""
+        unlisted = getattr(self, "_unlisted_outputs", ())
+        if not unlisted or not output_names or isinstance(output_names, (str, bytes)):
+            return super()._output_list(output_names)
+        names = list(output_names)
+        listed = [n for n in names if not (isinstance(n, str) and n in unlisted)]
+        if listed:
+            super()._output_list(listed)  # (the checks of the others)
+        return names
 
     def _feeds_of(self, plan: GraphInterface, feeds: Mapping[str, Any],
                   given: Mapping[str, Any] | None = None) -> dict[str, Any]:
