@@ -139,7 +139,6 @@ import multiprocessing as mp, threading, faulthandler, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import onnxtrain
-from tests.lock_watch import first_set, watched_lock
 from tests.session.helpers import mlp_model, params
 s = onnxtrain.TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
 held, release = threading.Event(), threading.Event()
