@@ -16,7 +16,10 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 VENV = os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt")
 PYTHON = os.path.join(VENV, "bin", "python")
@@ -117,3 +120,20 @@ def open_artifacts(folder, lr):
     o.set_learning_rate(lr)
     return state, m, o
 """
+
+
+def small_mlp() -> onnx.ModelProto:
+    """A 4-8-3 MLP (MatMul, Add, Relu; weights fc1/fc2 drawn from seed 0; batch dim "b") at IR 10, which
+    onnxruntime-training 1.19.2 loads: the on-device peer tests' model."""
+    rng = np.random.default_rng(0)
+    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
+    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
+             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
+             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
+             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m

@@ -18,9 +18,8 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from tests.ortt import PREAMBLE, ensure_ortt, run_script
+from tests.ortt import PREAMBLE, ensure_ortt, run_script, small_mlp
 
 # the same calls on either implementation: ``api`` is (CheckpointState, Module, Optimizer, onnxblock)
 _DRIVER = r'''
@@ -75,21 +74,6 @@ print(json.dumps(bytes_calls((CheckpointState, Module, Optimizer, onnxblock), fo
 """
 
 
-def _mlp() -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
-    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
-             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
-             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
-             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """onnxruntime-training's results on its artifacts, and the folders of its run and of a fresh copy of
@@ -99,7 +83,7 @@ def runs(tmp_path_factory):
     theirs, ours = str(root / "ortt"), str(root / "onnxtrain")
     for folder in (theirs, ours):
         os.makedirs(folder)
-        onnx.save(_mlp(), os.path.join(folder, "base.onnx"))
+        onnx.save(small_mlp(), os.path.join(folder, "base.onnx"))
     base = os.path.join(ours, "base.onnx")
     # the artifacts as generated, before the peer's run writes its files beside them
     peer_generate = PREAMBLE + r"""

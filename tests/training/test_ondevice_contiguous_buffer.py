@@ -12,26 +12,9 @@ import os
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt, run_script
-
-
-def _model() -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
-    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
-             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
-             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
-             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
-
+from tests.ortt import PREAMBLE, ensure_ortt, run_script, small_mlp
 
 _ORT_SCRIPT = PREAMBLE + r"""
 from onnxruntime.training import artifacts
@@ -55,7 +38,7 @@ print(json.dumps(out))
 def test_contiguous_buffer_answers_ortvalue_calls(tmp_path):
     python = ensure_ortt()
     base = str(tmp_path / "mlp.onnx")
-    onnx.save(_model(), base)
+    onnx.save(small_mlp(), base)
     folder = str(tmp_path / "art")
     os.makedirs(folder)
     ref = run_script(_ORT_SCRIPT, json.dumps([base, folder]), python=python)

@@ -25,9 +25,8 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from tests.ortt import PREAMBLE, ensure_ortt, run_script
+from tests.ortt import PREAMBLE, ensure_ortt, run_script, small_mlp
 
 _PEER = PREAMBLE + r"""
 import numpy as np, onnx
@@ -72,27 +71,12 @@ print(json.dumps(out))
 """
 
 
-def _mlp() -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
-    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
-             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
-             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
-             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
-
-
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory):
     python = ensure_ortt()
     root = tmp_path_factory.mktemp("eval_initializers")
     base = str(root / "mlp.onnx")
-    onnx.save(_mlp(), base)
+    onnx.save(small_mlp(), base)
     theirs, ours = str(root / "ortt"), str(root / "onnxtrain")
     os.makedirs(theirs)
     reference = run_script(_PEER, base, theirs, ours, python=python)

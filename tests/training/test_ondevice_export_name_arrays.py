@@ -15,9 +15,8 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from tests.ortt import PREAMBLE, ensure_ortt, run_script
+from tests.ortt import PREAMBLE, ensure_ortt, run_script, small_mlp
 
 # the same calls on either side: the name containers, by key
 _DRIVER = r'''
@@ -61,21 +60,6 @@ print(json.dumps(exports(CheckpointState, Module, folder)))
 """
 
 
-def _mlp() -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
-    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
-             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
-             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
-             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
-
-
 def test_output_name_containers_are_onnxruntime_trainings(tmp_path):
     import onnxruntime as ort
 
@@ -83,7 +67,7 @@ def test_output_name_containers_are_onnxruntime_trainings(tmp_path):
 
     python = ensure_ortt()
     base = str(tmp_path / "mlp.onnx")
-    onnx.save(_mlp(), base)
+    onnx.save(small_mlp(), base)
     theirs, ours = str(tmp_path / "ortt"), str(tmp_path / "onnxtrain")
     os.makedirs(theirs)
     reference = run_script(_PEER, base, theirs, ours, python=python)
@@ -108,7 +92,7 @@ def test_numpy_strings_name_outputs(tmp_path, names):
     from onnxtrain.training import artifacts
     from onnxtrain.training.api import CheckpointState, Module
 
-    artifacts.generate_artifacts(_mlp(), requires_grad=["fc2.bias"], loss=artifacts.LossType.MSELoss,
+    artifacts.generate_artifacts(small_mlp(), requires_grad=["fc2.bias"], loss=artifacts.LossType.MSELoss,
                                  artifact_directory=str(tmp_path))
     state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
@@ -171,7 +155,7 @@ def test_output_names_given_as_bytes_are_onnxruntime_trainings(tmp_path):
 
     python = ensure_ortt()
     base = str(tmp_path / "mlp.onnx")
-    onnx.save(_mlp(), base)
+    onnx.save(small_mlp(), base)
     theirs, ours = str(tmp_path / "ortt"), str(tmp_path / "onnxtrain")
     os.makedirs(theirs)
     reference = run_script(_BYTES_PEER, base, theirs, ours, python=python)
