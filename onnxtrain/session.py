@@ -336,6 +336,13 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                         "an entry, possibly {})"
                     )
         opt.check_attrs(self._graphs.trainable, fmap, imap)
+        if "do_bias_correction" in opt.INT_ATTRS:  # a switch: onnxruntime-training 1.16.3's AdamOptimizer
+            # kernel refuses other values ("must be either 0 or 1"), as both refuse a weight_decay_mode of 2
+            for w in self._graphs.trainable:
+                v = imap.get(w, {}).get("do_bias_correction", 0)
+                if v not in (0, 1):
+                    raise ValueError(f"optimizer_int_attributes_map[{w!r}]['do_bias_correction'] must be "
+                                     f"0 or 1, got {v!r}")
         clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
         if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
             warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
