@@ -46,7 +46,8 @@ def exports(CheckpointState, Module, folder):
 _NS: dict = {}
 exec(compile(_DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same source onnxruntime-training runs
 
-_PEER = PREAMBLE + _DRIVER + r"""
+# onnxruntime-training's side: its artifacts (a copy kept for onnxtrain), then the driver's function on them
+_PEER_RUN = r"""
 import onnx
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, Module
@@ -56,8 +57,15 @@ artifacts.generate_artifacts(onnx.load(base), requires_grad=["fc1.weight", "fc2.
                              artifact_directory=folder)
 import shutil
 shutil.copytree(folder, copy)
-print(json.dumps(exports(CheckpointState, Module, folder)))
+print(json.dumps({call}(CheckpointState, Module, folder)))
 """
+
+
+def _peer(driver: str, call: str) -> str:
+    return PREAMBLE + driver + _PEER_RUN.replace("{call}", call)
+
+
+_PEER = _peer(_DRIVER, "exports")
 
 
 def test_output_name_containers_are_onnxruntime_trainings(tmp_path):
@@ -132,18 +140,7 @@ def byte_exports(CheckpointState, Module, folder):
 
 exec(compile(_BYTES_DRIVER, "<bytes driver>", "exec"), _NS)  # noqa: S102 - the same source on either side
 
-_BYTES_PEER = PREAMBLE + _BYTES_DRIVER + r"""
-import onnx
-from onnxruntime.training import artifacts
-from onnxruntime.training.api import CheckpointState, Module
-base, folder, copy = sys.argv[1:4]
-artifacts.generate_artifacts(onnx.load(base), requires_grad=["fc1.weight", "fc2.bias"],
-                             frozen_params=["fc1.bias", "fc2.weight"], loss=artifacts.LossType.MSELoss,
-                             artifact_directory=folder)
-import shutil
-shutil.copytree(folder, copy)
-print(json.dumps(byte_exports(CheckpointState, Module, folder)))
-"""
+_BYTES_PEER = _peer(_BYTES_DRIVER, "byte_exports")
 
 
 def test_output_names_given_as_bytes_are_onnxruntime_trainings(tmp_path):
