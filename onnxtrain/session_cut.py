@@ -157,8 +157,9 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
         self._overridable = []
         self._outputs = [node_arg(o) for o in g.output]
-        if p.loss_output_name not in {o.name for o in g.output}:
-            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        # a loss the model does not list as an output is fetched by name only, as in one process's session
+        # (TrainingSession._build: onnxruntime-training 1.16.3 keeps it out of get_outputs() and run(None))
+        self._unlisted_outputs = {p.loss_output_name} - {o.name for o in g.output}
         if p.enable_grad_norm_clip or self._mp is not None:  # as one process's (loss-scaled under mixed
             # precision): the norm of the whole model's gradients, computed by the update runs
             self._outputs.append(NodeArg(GLOBAL_NORM, "tensor(float)", []))

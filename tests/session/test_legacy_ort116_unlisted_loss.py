@@ -8,6 +8,8 @@ Output Name:loss"), an extension that changes no position.
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 import numpy as np
@@ -124,3 +126,56 @@ def test_run_none_unpacks_by_position_and_the_loss_is_still_fetched_by_name() ->
     (loss,) = s.run(["loss"], f)
     np.testing.assert_allclose(float(loss), _loss64(st["W"], st["G"], f), rtol=1e-5)
     assert len(s.run([], f)) == 2  # (an empty list: every listed output, as None)
+
+
+# ---- the sessions that cut the model (pipeline stages over mpiexec) ----------------------------------
+STEPS = 3
+
+
+def cut_parameters(ort):
+    """SGD in two pipeline stages, cut after the MatMul (``a``)."""
+    p = ort.TrainingParameters()
+    for k, v in _params("SGDOptimizer").items():
+        setattr(p, k, v)
+    p.pipeline_parallel_size, p.pipeline_cut_info_string = 2, "a"
+    return p
+
+
+def run_steps(ort, p, steps: int) -> dict:
+    """The session's class and output names; per step run(None)'s values, then run(["loss", "yo"])'s."""
+    s = ort.TrainingSession(_model().SerializeToString(), p)
+    runs = []
+    for k in range(steps):
+        f = _feeds(k, True)
+        runs.append([[np.asarray(v).tolist() for v in s.run(None, f)],
+                     [np.asarray(v).tolist() for v in s.run(["loss", "yo"], f)]])
+    return {"class": type(s).__name__, "outputs": [o.name for o in s.get_outputs()], "runs": runs}
+
+
+def test_pipeline_stages_list_the_outputs_of_one_process() -> None:
+    """The two-stage pipeline session gives get_outputs(), run(None) and the loss fetched by name as the
+    single-process session (checked against 1.16.3 above) gives them; it listed the loss too before."""
+    import shutil
+
+    import onnxtrain
+    from tests.parallel.conftest import run_mpi
+
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unlisted_loss_cut_worker.py")
+    r = run_mpi(n=2, worker=worker)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cut = json.loads(r.stdout.strip().splitlines()[-1])
+    p = onnxtrain.TrainingParameters()
+    for k, v in _params("SGDOptimizer").items():
+        setattr(p, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = run_steps(onnxtrain, p, STEPS)
+    assert cut["class"] == "PipelineTrainingSession"
+    assert cut["outputs"] == one["outputs"] == ["yo", "global_gradient_norm"], (cut, one["outputs"])
+    for k, (c, o) in enumerate(zip(cut["runs"], one["runs"])):
+        for which in range(2):
+            assert len(c[which]) == len(o[which]), (k, which)
+            for a, b in zip(c[which], o[which]):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {k}")
