@@ -132,12 +132,23 @@ def requested_dumps(p: TrainingParameters,
 
 
 def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
-                 dropout_default: bool) -> onnx.ModelProto:
+                 dropout_default: bool, last: Collection[str] = ()) -> onnx.ModelProto:
     """``model`` as a session writes it to a dump, a graph that runs on its own in any ONNX runtime: the
     state's values and a shared ``training_mode`` input (``dropout_default``: the model's Dropout mode) as
     initializers, as onnxruntime's dumps held them (its inputs stay, so a run may feed them), and float16 or
     bfloat16 scatters that add computed in float32, as in the GradientGraphBuilder's model (onnxruntime's CPU
-    provider has no half kernel for them)."""
+    provider has no half kernel for them). Outputs named in ``last`` (a loss the model does not list, which
+    onnxruntime's dumps did not output) come after the others, so the session's outputs lead in order."""
+    if any(o.name in last for o in model.graph.output):
+        copied = onnx.ModelProto()
+        copied.CopyFrom(model)
+        outputs = []
+        for o in sorted(copied.graph.output, key=lambda o: o.name in last):  # (stable: the rest keep order)
+            outputs.append(onnx.ValueInfoProto())
+            outputs[-1].CopyFrom(o)
+        del copied.graph.output[:]
+        copied.graph.output.extend(outputs)
+        model = copied
     model = with_input_values(model, {**store, TRAINING_MODE: np.asarray(dropout_default)})
     return half_scatters_in_float32(model)
 
@@ -266,8 +277,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
+        unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}  # (see self._outputs below)
         for where, path, kind, missing_folder in requested_dumps(p, self._sess_options):
-            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default), path, where,
+            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default, unlisted), path, where,
                       missing_folder=missing_folder)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
@@ -310,7 +322,6 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         # a loss the model computes but does not list as an output stays out of get_outputs() and run(None),
         # as onnxruntime-training 1.16.3 kept it inside its training graph (a script unpacks run(None) by
         # position); a run may still fetch it by name (1.16.3 refused that), see _output_list
-        unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}
         self._unlisted_outputs = unlisted & {o.name for o in self._outputs}
         self._outputs = [o for o in self._outputs if o.name not in unlisted]
         self._output_names = [o.name for o in self._outputs]

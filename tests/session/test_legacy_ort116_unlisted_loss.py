@@ -179,3 +179,47 @@ def test_pipeline_stages_list_the_outputs_of_one_process() -> None:
             assert len(c[which]) == len(o[which]), (k, which)
             for a, b in zip(c[which], o[which]):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {k}")
+
+
+_DUMPS = ("model_after_graph_transforms_path", "model_with_gradient_graph_path",
+          "model_with_training_graph_path")
+_PEER_DUMPS = "names = " + repr(_DUMPS) + r"""
+import json, sys
+import onnx, onnxruntime as ort
+ort.set_default_logger_severity(3)
+model, folder = sys.argv[1], sys.argv[2]
+p = ort.TrainingParameters()
+p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+p.optimizer_attributes_map = {"W": {}, "G": {}}
+p.optimizer_int_attributes_map = {"W": {}, "G": {}}
+for k in names:
+    setattr(p, k, folder + "/peer_" + k + ".onnx")
+ort.TrainingSession(model, p, None, ["CPUExecutionProvider"])
+outputs = {k: [o.name for o in onnx.load(folder + "/peer_" + k + ".onnx").graph.output] for k in names}
+print(json.dumps(outputs))
+"""
+
+
+def test_dumped_training_graph_leads_with_the_session_outputs(tmp_path) -> None:
+    """The three dumps: 1.16.3's outputs (it writes no loss the model does not list) are onnxtrain's outputs
+    that the session lists, in order, and the training graph's dump begins with the session's outputs (as for
+    a listed loss, test_legacy_ort116_surface.test_dumped_graphs); the loss the engine computes comes last."""
+    import onnxtrain
+    from tests.ortt import ensure_ort_legacy, run_script
+
+    path = str(tmp_path / "m.onnx")
+    onnx.save(_model(), path)
+    peer = run_script(_PEER_DUMPS, path, str(tmp_path), python=ensure_ort_legacy())
+    p = onnxtrain.TrainingParameters()
+    for k, v in _params("SGDOptimizer").items():
+        setattr(p, k, v)
+    for k in _DUMPS:
+        setattr(p, k, str(tmp_path / f"ours_{k}.onnx"))
+    s = onnxtrain.TrainingSession(path, p)
+    listed = [o.name for o in s.get_outputs()]
+    for k in _DUMPS:
+        ours = [o.name for o in onnx.load(str(tmp_path / f"ours_{k}.onnx")).graph.output]
+        assert [n for n in peer[k] if not n.endswith("_grad")] == [n for n in ours if n in listed], (k, ours)
+        assert "loss" not in ours[:-1], (k, ours)  # (the transformed model has none)
+    ours = [o.name for o in onnx.load(str(tmp_path / f"ours_{_DUMPS[2]}.onnx")).graph.output]
+    assert ours[:len(listed)] == listed == peer[_DUMPS[2]], (ours, listed, peer)
