@@ -57,3 +57,27 @@ def test_lamb_refuses_it_too() -> None:
         setattr(p, k, v)
     with pytest.raises(ValueError, match=r"\['do_bias_correction'\] must be 0 or 1, got 3"):
         onnxtrain.TrainingSession(mlp().SerializeToString(), p)
+
+
+def test_pipeline_and_horizontal_sessions_refuse_it_too() -> None:
+    """The sessions that cut the model (pipeline stages, horizontal shards over mpiexec -n 2) check their
+    maps apart from the single-process session: a value of 2 is refused there too, naming the weight, and
+    1 is taken (the control)."""
+    import json
+    import os
+    import shutil
+
+    from tests.parallel.conftest import run_mpi
+
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bias_correction_cut_worker.py")
+    r = run_mpi(n=2, worker=worker)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for mode in ("pipeline", "horizontal"):
+        assert got[f"{mode} 1"] is None, (mode, got[f"{mode} 1"])
+        refused = got[f"{mode} 2"]
+        assert refused is not None, f"the {mode} session took do_bias_correction=2"
+        assert "['do_bias_correction'] must be 0 or 1, got 2" in refused, refused
+        assert any(f"optimizer_int_attributes_map[{w!r}]" in refused for w in ("W", "G")), refused
