@@ -223,3 +223,21 @@ def test_dumped_training_graph_leads_with_the_session_outputs(tmp_path) -> None:
         assert "loss" not in ours[:-1], (k, ours)  # (the transformed model has none)
     ours = [o.name for o in onnx.load(str(tmp_path / f"ours_{_DUMPS[2]}.onnx")).graph.output]
     assert ours[:len(listed)] == listed == peer[_DUMPS[2]], (ours, listed, peer)
+
+
+def test_a_bad_output_name_beside_the_loss_is_named_in_the_callers_list() -> None:
+    """run(["loss", 3]) is refused as run(["yo", 3]) is (InvalidFeedType), naming the list the caller gave,
+    not the list with the loss taken out."""
+    import onnxtrain
+    from onnxtrain.errors import InvalidFeedType
+
+    p = onnxtrain.TrainingParameters()
+    for k, v in _params("SGDOptimizer").items():
+        setattr(p, k, v)
+    s = onnxtrain.TrainingSession(_model().SerializeToString(), p, None, ["CPUExecutionProvider"])
+    f = _feeds(0, True)
+    with pytest.raises(InvalidFeedType, match=r"in \['yo', 3\]"):  # (the listed output: the base class's)
+        s.run(["yo", 3], f)
+    with pytest.raises(InvalidFeedType, match=r"got int 3 in \['loss', 3\]"):
+        s.run(["loss", 3], f)
+    np.testing.assert_array_equal(s.get_state()["W"], numpy_helper.to_array(_model().graph.initializer[0]))
