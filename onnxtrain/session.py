@@ -24,7 +24,13 @@ from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, check_graph_links, graph_interface
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
-from onnxtrain.errors import InvalidFeed, NoFolderForOutput, program_hint, raises_as_onnxruntime
+from onnxtrain.errors import (
+    InvalidFeed,
+    InvalidFeedType,
+    NoFolderForOutput,
+    program_hint,
+    raises_as_onnxruntime,
+)
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, check_loss_scale_feed, half_copies
@@ -587,7 +593,11 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if not unlisted or not output_names or isinstance(output_names, (str, bytes)):
             return super()._output_list(output_names)
         names = list(output_names)
-        listed = [n for n in names if not (isinstance(n, str) and n in unlisted)]
+        for n in names:  # (the base class's refusal, naming the caller's list)
+            if not isinstance(n, str):
+                raise InvalidFeedType(f"output names must be strings; got {type(n).__name__} {n!r} in "
+                                      f"{output_names!r}")
+        listed = [n for n in names if n not in unlisted]
         if listed:
             super()._output_list(listed)  # (the checks of the others)
         return names
