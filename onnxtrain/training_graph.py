@@ -845,10 +845,10 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
     the names of the user's model, whose checkpoints the session's rewrites may have removed or left as
     initializers (a Dropout's training-mode Constant, a float32 Constant that mixed precision remade in
     half, a frozen weight): constants, which are never recomputed, so they keep nothing more and are left
-    out; a name of neither graph is an error. A left-out name that is no constant of the model
-    (``model_constants``: its initializers and Constant outputs) is an activation a rewrite replaced, such as
-    the Sigmoid of a Log(Sigmoid(z)) computed as -softplus(-z): it is left out too, named in a warning, since
-    the step keeps less than the list says."""
+    out; a name of neither graph is an error, and so is a name of the step graph only (a gradient). A
+    left-out name that is no constant of the model (``model_constants``: its initializers and Constant
+    outputs) is an activation a rewrite replaced, such as the Sigmoid of a Log(Sigmoid(z)) computed as
+    -softplus(-z): it is left out too, named in a warning, since the step keeps less than the list says."""
     asked = [k for k in ("gelu_recompute", "attn_dropout_recompute", "transformer_layer_recompute")
              if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
     if not asked:
@@ -859,6 +859,12 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
         present = _graph_values(grad)  # (an initializer, a frozen weight, is a constant of the step too)
         checkpoints = [renamed.get(c, c) for c in p.recompute_checkpoints
                        if renamed.get(c, c) in present or c not in model_values]
+        foreign = [c for c in p.recompute_checkpoints
+                   if c not in model_values and renamed.get(c, c) in present]
+        if foreign:  # (a gradient, the loss's gradient: values of the step graph only)
+            raise ValueError(f"TrainingParameters recompute_checkpoints: {foreign} are not values of the "
+                             "model but of the training graph the session built (gradients); a checkpoint "
+                             "names a value of the model's forward pass")
         replaced = [c for c in p.recompute_checkpoints
                     if renamed.get(c, c) not in present and c in model_values and c not in model_constants]
         if replaced:

@@ -75,3 +75,11 @@ def test_a_constant_the_session_rewrote_is_a_checkpoint_that_keeps_nothing(dtype
 def test_a_name_the_model_does_not_have_is_still_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"recompute_checkpoints.*\['hh'\]"):
         _steps("float16", ["h", "hh", "half"], tmp_path)
+
+
+@pytest.mark.parametrize("name", ["W1_grad", "loss_grad"])
+def test_a_value_of_the_gradient_graph_only_is_refused(name: str, tmp_path) -> None:
+    """A name the step graph has but the user's model does not (a weight's gradient, the loss's): recompute
+    keeps forward values only, so naming it kept nothing, and it was taken without a word."""
+    with pytest.raises(ValueError, match=rf"recompute_checkpoints.*\['{name}'\]"):
+        _steps(None, ["h", name], tmp_path)
