@@ -635,6 +635,37 @@ class InferenceSession:
     def enable_fallback(self) -> None:
         self._enable_fallback = True
 
+    # ---- kernel tuning (onnxruntime's TunableOp) -----------------------------------
+    def get_tuning_results(self) -> list[dict[str, Any]]:
+        """The kernel choices the session's providers made by tuning, one dict (``ep``, ``results``,
+        ``validators``) per provider that tunes. onnxtrain picks no kernels by timing them, so there are none:
+        an empty list, as onnxruntime's CPU provider gives."""
+        return []
+
+    def set_tuning_results(self, results: list, *, error_on_invalid: bool = False) -> None:
+        """Hand the session tuning results (``get_tuning_results``' form). Every entry is read first (a
+        list of mappings with ``ep``, ``results``: {op: {params: kernel id}} and ``validators``): a missing
+        key is a KeyError, a value of the wrong form a TypeError or ValueError, as onnxruntime 1.16's
+        binding. Then each entry is checked against the session's providers: one it does not have, or one of
+        its providers (none tunes here) is an invalid entry, a RuntimeError naming it when
+        ``error_on_invalid``, else a warning and the entry is skipped. Nothing is ever taken."""
+        if not isinstance(results, list):
+            raise TypeError(f"set_tuning_results takes a list of tuning results (one dict per execution "
+                            f"provider), got {type(results).__name__}")
+        if error_on_invalid is not None and not isinstance(error_on_invalid, (bool, np.bool_, int, float)):
+            raise TypeError(f"set_tuning_results: error_on_invalid must be a bool, got "
+                            f"{type(error_on_invalid).__name__} {error_on_invalid!r}")
+        eps = [_tuning_entry(k, entry) for k, entry in enumerate(results)]
+        for k, ep in enumerate(eps):
+            if ep not in self._providers:
+                problem = f"Cannot find execution provider {ep} (the session's: {', '.join(self._providers)})"
+            else:
+                problem = (f"Invalid tuning results (index={k}): {ep} does not support TunableOp (onnxtrain "
+                           "tunes no kernels)")
+            if error_on_invalid:
+                raise RuntimeError(f"set_tuning_results: {problem}")
+            warn(f"set_tuning_results: {problem}; entry skipped")
+
     # onnxruntime's Python ``Session`` kept these lists as attributes, and its training frontends
     # (``ort_trainer.py``, ``onnxruntime.training._utils``) searched them for the special outputs' names
     @property
@@ -667,6 +698,39 @@ class InferenceSession:
         returns its path ('' when not profiling, or profiling has ended)."""
         paths = [plan for _, plan in self._path_plans.values() if plan not in (None, self._plan)]
         return end_profiling(self, [self._plan, *paths])
+
+
+def _tuning_entry(index: int, entry: Any) -> str:
+    """The provider name of tuning results entry ``index``, once its keys and their values' forms are
+    checked as onnxruntime's binding reads them (``ep`` as text, kernel ids as integers)."""
+    where = f"set_tuning_results: entry {index}"
+    try:
+        entry = dict(entry)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where} must be a dict with 'ep', 'results' and 'validators', got "
+                        f"{type(entry).__name__} {entry!r}") from e
+
+    def field(key: str) -> Any:  # (in the binding's order: a bad 'results' is named before no 'validators')
+        if key not in entry:
+            raise KeyError(f"{where} has no {key!r} (it needs 'ep', 'results' and 'validators')")
+        return entry[key]
+
+    def mapping(value: Any, what: str) -> dict:
+        try:
+            return dict(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}: {what} must be a dict, got {type(value).__name__} {value!r}") from e
+
+    ep = field("ep")
+    for op, kernels in mapping(field("results"), "'results'").items():
+        for params, kernel in mapping(kernels, f"'results'[{op!r}]").items():
+            try:
+                int(kernel)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{where}: kernel id 'results'[{op!r}][{params!r}] must be an integer, got "
+                              f"{type(kernel).__name__} {kernel!r}") from e
+    mapping(field("validators"), "'validators'")
+    return str(ep)
 
 
 def _cpu_memory_info() -> Any:

@@ -1,0 +1,216 @@
+"""``get_tuning_results()`` and ``set_tuning_results(results, *, error_on_invalid=False)`` of the
+InferenceSession and of the legacy TrainingSession, against onnxruntime-training 1.16.3's own (tests/ortt.py's
+legacy venv, CPU build).
+
+1.16.3's CPU provider tunes no kernel (TunableOp is its GPU providers'), and neither does onnxtrain: the
+results are an empty list, before and after a set. set_tuning_results reads every entry first (a list of
+dicts with 'ep', 'results' {op: {params: kernel id}} and 'validators'; a missing key is a KeyError, a
+value of the wrong form a TypeError or ValueError), then checks each against the session's providers: a
+provider it does not have, or one of its own that does not tune, is a RuntimeError when error_on_invalid,
+else (1.16.3: a logged warning) skipped. One probe runs the same calls on both sides; onnxtrain's exception
+must be of 1.16.3's class, and its message must name what is wrong (messages differ otherwise).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from tests.ortt import ensure_ort_legacy, run_script
+
+# The probe, run as it is by 1.16.3's python (with ``ort`` = onnxruntime) and here (``ort`` = onnxtrain).
+PROBE = r'''
+def entry(ep="CPUExecutionProvider", **kw):
+    d = {"ep": ep, "results": {}, "validators": {}}
+    d.update(kw)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+SET_CASES = {
+    "empty": (([],), {}),
+    "empty_strict": (([],), {"error_on_invalid": True}),
+    "cpu": (([entry()],), {}),
+    "cpu_strict": (([entry()],), {"error_on_invalid": True}),
+    "cpu_with_results_strict": (([entry(results={"op": {"k": 1}}, validators={"ORT_VERSION": "1"})],),
+                                {"error_on_invalid": True}),
+    "cuda": (([entry("CUDAExecutionProvider")],), {}),
+    "cuda_strict": (([entry("CUDAExecutionProvider")],), {"error_on_invalid": True}),
+    "cuda_then_cpu_strict": (([entry("CUDAExecutionProvider"), entry()],), {"error_on_invalid": True}),
+    "ep_a_number": (([entry(3)],), {}),
+    "ep_a_number_strict": (([entry(3)],), {"error_on_invalid": True}),
+    "strict_as_int": (([entry()],), {"error_on_invalid": 2}),
+    "strict_none": (([entry()],), {"error_on_invalid": None}),
+    "pairs_entry": (([[("ep", "CPUExecutionProvider"), ("results", {}), ("validators", {})]],), {}),
+    "no_ep": (([{"results": {}, "validators": {}}],), {}),
+    "no_ep_strict": (([{"results": {}, "validators": {}}],), {"error_on_invalid": True}),
+    "no_results": (([{"ep": "CPUExecutionProvider", "validators": {}}],), {}),
+    "no_validators": (([{"ep": "CPUExecutionProvider", "results": {}}],), {"error_on_invalid": True}),
+    "bad_results_before_no_validators": (([{"ep": "CPUExecutionProvider", "results": 3}],), {}),
+    "second_entry_bad_after_cuda": (([entry("CUDAExecutionProvider"), {"results": {}, "validators": {}}],),
+                                    {}),
+    "results_not_a_dict": (([entry(results=3)],), {}),
+    "kernel_map_not_a_dict": (([entry(results={"op": 3})],), {}),
+    "kernel_id_not_a_number": (([entry(results={"op": {"k": "v"}})],), {}),
+    "validators_not_a_dict": (([entry(validators=3)],), {}),
+    "entry_a_number": (([3],), {}),
+    "none": ((None,), {}),
+    "a_dict": (({},), {}),
+    "a_tuple": (((entry(),),), {}),
+    "strict_a_string": (([],), {"error_on_invalid": "x"}),
+    "strict_positional": (([], True), {}),
+}
+
+
+def outcome(f):
+    try:
+        return {"ok": f()}
+    except Exception as e:  # noqa: BLE001
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def probe(ort, model, training):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if training:
+            p = ort.TrainingParameters()
+            p.loss_output_name = "loss"
+            p.training_optimizer_name = "SGDOptimizer"
+            p.optimizer_attributes_map = {"W": {}}
+            p.optimizer_int_attributes_map = {"W": {}}
+            s = ort.TrainingSession(model, p, ort.SessionOptions(), ["CPUExecutionProvider"])
+        else:
+            s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        res = {"get": outcome(s.get_tuning_results), "get_arg": outcome(lambda: s.get_tuning_results(1))}
+        for name, (args, kw) in SET_CASES.items():
+            res["set " + name] = outcome(lambda: s.set_tuning_results(*args, **kw))
+        res["get_after"] = outcome(s.get_tuning_results)
+        res["providers"] = s._sess.get_providers() if hasattr(s, "_sess") else s.get_providers()
+    return res
+'''
+
+N, D = 3, 12
+
+# What onnxtrain's message names (1.16.3's says less: "'ep'", "incompatible function arguments", ...)
+NAMED = {
+    "cpu_strict": ["CPUExecutionProvider", "TunableOp", "index=0"],
+    "cpu_with_results_strict": ["CPUExecutionProvider", "TunableOp"],
+    "strict_as_int": ["CPUExecutionProvider", "TunableOp"],
+    "cuda_strict": ["CUDAExecutionProvider"],
+    "cuda_then_cpu_strict": ["CUDAExecutionProvider"],
+    "ep_a_number_strict": ["execution provider 3"],
+    "no_ep": ["'ep'", "entry 0"],
+    "no_ep_strict": ["'ep'"],
+    "no_results": ["'results'"],
+    "no_validators": ["'validators'"],
+    "bad_results_before_no_validators": ["'results'", "int"],
+    "second_entry_bad_after_cuda": ["'ep'", "entry 1"],
+    "results_not_a_dict": ["'results'", "int"],
+    "kernel_map_not_a_dict": ["'results'['op']", "int"],
+    "kernel_id_not_a_number": ["'results'['op']['k']", "'v'"],
+    "validators_not_a_dict": ["'validators'", "int"],
+    "entry_a_number": ["entry 0", "int"],
+    "none": ["list", "NoneType"],
+    "a_dict": ["list", "dict"],
+    "a_tuple": ["list", "tuple"],
+    "strict_a_string": ["error_on_invalid", "'x'"],
+    "strict_positional": ["positional"],
+}
+# 1.16.3's message names these too
+PEER_NAMED = {"cpu_strict": ["CPUExecutionProvider", "TunableOp", "index=0"],
+              "cuda_strict": ["CUDAExecutionProvider"], "ep_a_number_strict": ["execution provider 3"],
+              "no_ep": ["'ep'"], "no_results": ["'results'"], "no_validators": ["'validators'"],
+              "kernel_id_not_a_number": ["'v'"]}
+
+
+def _model(path: str) -> str:
+    """x[N, D] → MatMul W = y; loss = mean((y - t)^2), an output (W has more than 8 values: 1.16.3's
+    ConstantSharing renames smaller weights)."""
+    w = (np.random.default_rng(0).standard_normal((D, D)) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Sub", ["y", "t"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["d2"]),
+             helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "tuning",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, D]),
+                           helper.make_tensor_value_info("t", TensorProto.FLOAT, [N, D])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    onnx.save(m, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(str(tmp_path_factory.mktemp("tuning") / "m.onnx"))
+
+
+@pytest.fixture(scope="module")
+def peer(model: str) -> dict:
+    script = (PROBE + "\nimport json, sys\nimport onnxruntime\nonnxruntime.set_default_logger_severity(3)\n"
+              "print(json.dumps({k: probe(onnxruntime, sys.argv[1], k == 'training') "
+              "for k in ('inference', 'training')}))\n")
+    return run_script(script, model, python=ensure_ort_legacy())
+
+
+def _ours(model: str, training: bool) -> dict:
+    ns: dict = {}
+    exec(compile(PROBE, "tuning_probe", "exec"), ns)
+    return ns["probe"](onnxtrain, model, training)
+
+
+@pytest.fixture(scope="module")
+def ours(model: str) -> dict:
+    return {k: _ours(model, k == "training") for k in ("inference", "training")}
+
+
+KINDS = ["inference", "training"]
+
+
+def _calls(peer: dict) -> list[str]:
+    return [k for k in peer["inference"] if k != "providers"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_answers_and_refusals_are_1_16_3s(kind: str, peer: dict, ours: dict) -> None:
+    assert peer[kind]["providers"] == ours[kind]["providers"] == ["CPUExecutionProvider"]
+    assert peer[kind]["get"] == {"ok": []}  # (the oracle's answer on its CPU provider)
+    for call in _calls(peer):
+        p, o = peer[kind][call], ours[kind][call]
+        if "ok" in p:
+            assert o == p, f"{kind} {call}: 1.16.3 {p}, onnxtrain {o}"
+            continue
+        assert "error" in o, f"{kind} {call}: 1.16.3 raised {p}, onnxtrain returned {o}"
+        assert o["error"] == p["error"], f"{kind} {call}: 1.16.3 {p}, onnxtrain {o}"
+        case = call.removeprefix("set ")
+        for word in NAMED.get(case, []):
+            assert word in o["message"], f"{kind} {call}: {word!r} not in {o['message']!r}"
+        for word in PEER_NAMED.get(case, []):
+            assert word in p["message"], f"{kind} {call}: the oracle's {p['message']!r} lacks {word!r}"
+
+
+def test_every_refusal_is_checked_for_its_words(peer: dict) -> None:
+    """Each set_tuning_results case 1.16.3 refuses has the words onnxtrain's message must name."""
+    refused = {c.removeprefix("set ") for c, v in peer["inference"].items()
+               if c.startswith("set ") and "error" in v}
+    assert refused == set(NAMED)
+
+
+def test_an_invalid_entry_warns_naming_it_when_not_strict(model: str) -> None:
+    """Without error_on_invalid, an entry is skipped with a warning naming the provider (1.16.3 logs it)."""
+    s = onnxtrain.InferenceSession(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert s.set_tuning_results([{"ep": "CUDAExecutionProvider", "results": {}, "validators": {}},
+                                     {"ep": "CPUExecutionProvider", "results": {}, "validators": {}}]) is None
+    messages = [str(w.message) for w in caught]
+    assert any("Cannot find execution provider CUDAExecutionProvider" in m for m in messages), messages
+    assert any("index=1" in m and "CPUExecutionProvider does not support TunableOp" in m for m in messages)
+    assert s.get_tuning_results() == []
