@@ -24,7 +24,7 @@ from onnxtrain.capi.options import (
     SessionOptions,
     resolve_providers,
 )
-from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
+from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue, OrtValueVector, _type_name
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
@@ -52,6 +52,7 @@ from onnxtrain.errors import (
     InvalidFeed,
     InvalidFeedType,
     NoneFed,
+    RuntimeException,
     raises_as_onnxruntime,
 )
 from onnxtrain.ir.builder import loadable_model
@@ -551,6 +552,58 @@ class InferenceSession:
         declared = {o.name: o.type for o in self._outputs}
         return [OrtValue(v, declared.get(n)) for n, v in
                 zip(names, self.run(names, input_dict_ort_values, run_options))]
+
+    def run_with_ortvaluevector(self, run_options: RunOptions, feed_names: Sequence[str],
+                                feeds: OrtValueVector, fetch_names: Sequence[str], fetches: OrtValueVector,
+                                fetch_devices: Sequence[OrtDevice]) -> None:
+        """onnxruntime's lowest-overhead run: the inputs as parallel lists of names and values (an
+        ``OrtValueVector``), the outputs ``fetch_names`` put into ``fetches`` (an ``OrtValueVector``):
+        appended when it is empty, else written into the values it holds, one per name (each of the output's
+        shape and type). Every output is on the CPU, whatever ``fetch_devices`` (an ``OrtDevice`` per
+        output) asks. Returns None, as onnxruntime's."""
+        if not isinstance(run_options, RunOptions):
+            raise TypeError(f"run_with_ortvaluevector: run_options must be a RunOptions, got "
+                            f"{type(run_options).__name__}")
+        for what, v in (("feeds", feeds), ("fetches", fetches)):
+            if not isinstance(v, OrtValueVector):  # (onnxruntime's binding takes no plain list either)
+                raise TypeError(f"run_with_ortvaluevector: {what} must be an OrtValueVector, got "
+                                f"{type(v).__name__}")
+        feed_names, fetch_names, fetch_devices = list(feed_names), list(fetch_names), list(fetch_devices)
+        if len(feed_names) != len(feeds):
+            raise InvalidArgument(f"run_with_ortvaluevector: size mismatch: feed_names has {len(feed_names)} "
+                                  f"elements, but feeds has {len(feeds)}")
+        if not fetch_names:
+            raise InvalidArgument("run_with_ortvaluevector: at least one output should be requested "
+                                  "(fetch_names is empty)")
+        if len(fetches) not in (0, len(fetch_names)):
+            raise InvalidArgument(f"run_with_ortvaluevector: fetches holds {len(fetches)} values for "
+                                  f"{len(fetch_names)} fetch_names: pass it empty or with one value per name")
+        if not all(isinstance(d, OrtDevice) for d in fetch_devices):
+            raise TypeError(f"run_with_ortvaluevector: fetch_devices must be OrtDevices, got "
+                            f"{fetch_devices!r}")
+        if len(fetch_devices) < len(fetch_names):  # (onnxruntime 1.16 aborts the process)
+            raise InvalidArgument(f"run_with_ortvaluevector: {len(fetch_devices)} fetch_devices for "
+                                  f"{len(fetch_names)} fetch_names: one OrtDevice per output")
+        if len(set(feed_names)) != len(feed_names):
+            twice = sorted({n for n in feed_names if feed_names.count(n) > 1})
+            raise InvalidArgument(f"run_with_ortvaluevector: feed_names names {twice} more than once")
+        known = {a.name for a in [*self.get_inputs(), *self.get_overridable_initializers()]}
+        unknown = [n for n in feed_names if n not in known]
+        if unknown:  # (onnxruntime names the first)
+            raise InvalidFeed(f"run_with_ortvaluevector: invalid feed input name {unknown[0]!r}; the "
+                              f"session's inputs are {sorted(known)}")
+        outs = self.run_with_ort_values(fetch_names, dict(zip(feed_names, feeds)), run_options)
+        if not fetches:
+            fetches.extend(outs)
+            return
+        pairs = [(getattr(target, "_array", None), out.numpy()) for target, out in zip(fetches, outs)]
+        for name, target, (have, got) in zip(fetch_names, fetches, pairs):  # (all checked before any write)
+            if not isinstance(have, np.ndarray) or have.shape != got.shape or have.dtype != got.dtype:
+                raise RuntimeException(
+                    f"run_with_ortvaluevector: the value in fetches for output {name!r} is "
+                    f"{target!r}; the output is {_type_name(got.dtype)} of shape {list(got.shape)}")
+        for have, got in pairs:
+            np.copyto(have, got)
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
