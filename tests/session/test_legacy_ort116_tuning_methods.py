@@ -84,20 +84,24 @@ def outcome(f):
         return {"error": type(e).__name__, "message": str(e), "classes": classes}
 
 
+def session(ort, model, training):
+    """An SGD TrainingSession of ``model`` (its loss "loss", its weight W), or an InferenceSession."""
+    if not training:
+        return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    p = ort.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    p.optimizer_attributes_map = {"W": {}}
+    p.optimizer_int_attributes_map = {"W": {}}
+    return ort.TrainingSession(model, p, ort.SessionOptions(), ["CPUExecutionProvider"])
+
+
 def probe(ort, model, training):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if training:
-            p = ort.TrainingParameters()
-            p.loss_output_name = "loss"
-            p.training_optimizer_name = "SGDOptimizer"
-            p.optimizer_attributes_map = {"W": {}}
-            p.optimizer_int_attributes_map = {"W": {}}
-            s = ort.TrainingSession(model, p, ort.SessionOptions(), ["CPUExecutionProvider"])
-        else:
-            s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        s = session(ort, model, training)
         res = {"get": outcome(s.get_tuning_results), "get_arg": outcome(lambda: s.get_tuning_results(1))}
         for name, (args, kw) in SET_CASES.items():
             res["set " + name] = outcome(lambda: s.set_tuning_results(*args, **kw))
@@ -132,19 +136,13 @@ def vec_probe(ort, C, path, training):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        s = session(ort, path, training)
         if training:
-            p = ort.TrainingParameters()
-            p.loss_output_name = "loss"
-            p.training_optimizer_name = "SGDOptimizer"
-            p.optimizer_attributes_map = {"W": {}}
-            p.optimizer_int_attributes_map = {"W": {}}
-            s = ort.TrainingSession(path, p, ort.SessionOptions(), ["CPUExecutionProvider"])
             rng = np.random.default_rng(1)
             feeds = vector(rng.standard_normal((3, 12)).astype(np.float32),
                            rng.standard_normal((3, 12)).astype(np.float32), np.array([0.1], np.float32))
             return {"loss": call(s, ort.RunOptions(), ["x", "t", "Learning_Rate"], feeds, ["loss"],
                                  C.OrtValueVector(), [dev])}
-        s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         ro, E = ort.RunOptions(), C.OrtValueVector
         path_only = ort.RunOptions()
         path_only.only_execute_path_to_fetches = True
