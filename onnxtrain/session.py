@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,20 +121,6 @@ def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
                 self._store[name] = value.astype(cur.dtype)
 
     return wrapper
-
-
-def check_bias_correction(opt: Any, weights: Iterable[str], imap: Mapping[str, Mapping[str, Any]]) -> None:
-    """A ``do_bias_correction`` other than 0 or 1 for a trained weight is a ValueError naming it: a switch,
-    whose other values onnxruntime-training 1.16.3's AdamOptimizer kernel refuses ("must be either 0 or 1"),
-    as both refuse a weight_decay_mode of 2 (Lamb reads the same switch). The single-process session and the
-    sessions that cut the model (session_cut) check their maps with it."""
-    if "do_bias_correction" not in opt.INT_ATTRS:
-        return
-    for w in weights:
-        v = imap.get(w, {}).get("do_bias_correction", 0)
-        if v not in (0, 1):
-            raise ValueError(f"optimizer_int_attributes_map[{w!r}]['do_bias_correction'] must be 0 or 1, "
-                             f"got {v!r}")
 
 
 def requested_dumps(p: TrainingParameters,
@@ -367,7 +353,6 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                         "an entry, possibly {})"
                     )
         opt.check_attrs(self._graphs.trainable, fmap, imap)
-        check_bias_correction(opt, self._graphs.trainable, imap)
         clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
         if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
             warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "

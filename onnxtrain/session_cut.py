@@ -45,7 +45,7 @@ from onnxtrain.parallel import (
 from onnxtrain.parallel.fingerprint import array_digest, canonical, digest
 from onnxtrain.parallel.stage_graphs import NORM as GLOBAL_NORM
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession, check_bias_correction, serialized
+from onnxtrain.session import TrainingSession, serialized
 from onnxtrain.session_exchange import ReplicaExchange
 from onnxtrain.training_graph import TRAINING_MODE, dropout_mode
 from onnxtrain.user_warning import warn
@@ -362,7 +362,6 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                         "possibly {})"
                     )
         opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
-        check_bias_correction(opt, originals, p.optimizer_int_attributes_map)
 
     def _trained(self) -> list[str]:
         """The trained weights this rank holds (by the names it holds them under)."""

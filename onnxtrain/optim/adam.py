@@ -128,6 +128,7 @@ class Adam(Optimizer):
     name = "AdamOptimizer"
     FLOAT_ATTRS = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-8, "max_norm_clip": 1.0}
     INT_ATTRS = {"do_bias_correction": 1, "weight_decay_mode": 0}
+    SWITCHES = ("do_bias_correction",)
     uses_norm = True
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:

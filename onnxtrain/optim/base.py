@@ -54,6 +54,9 @@ class Optimizer:
     name = ""
     FLOAT_ATTRS: dict[str, float] = {}
     INT_ATTRS: dict[str, int] = {}
+    # int attributes that are on/off switches: another value than 0 or 1 is refused (check_attrs), as
+    # onnxruntime-training 1.16.3's kernels refuse it ("do_bias_correction must be either 0 or 1")
+    SWITCHES: tuple[str, ...] = ()
     uses_norm = False  # whether the global gradient norm (clipping) is wired into the update
 
     def __init__(self, moment_dtype: Any = np.float32) -> None:
@@ -113,7 +116,7 @@ class Optimizer:
         """Refuse an attribute this optimizer reads that is given in the map of the other type (onnxruntime
         set it on its optimizer node, which then failed the schema's type check); warn once per map about
         names it does not read at all (onnxruntime's builders ignored those: a script may share one
-        attribute function between optimizers)."""
+        attribute function between optimizers); refuse a ``SWITCHES`` attribute other than 0 or 1."""
         maps = (("optimizer_attributes_map", floats, self.FLOAT_ATTRS),
                 ("optimizer_int_attributes_map", ints, self.INT_ATTRS))
         for (label, m, known), (other_label, _, other) in zip(maps, maps[::-1]):
@@ -130,6 +133,12 @@ class Optimizer:
                 warn(f"{label}: {self.name} does not read {', '.join(map(repr, keys))} from this map (given "
                      f"for {len(where)} weight(s), e.g. {where[0]!r}); ignored, as onnxruntime's optimizer "
                      f"builders ignored them; {self.name} reads {sorted(known) or 'none'} here")
+        for key in self.SWITCHES:
+            for w in weights:
+                v = ints.get(w, {}).get(key, self.INT_ATTRS[key])
+                if v not in (0, 1):
+                    raise ValueError(f"optimizer_int_attributes_map[{w!r}][{key!r}] must be 0 or 1, "
+                                     f"got {v!r}")
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []

@@ -24,6 +24,7 @@ class Lamb(Optimizer):
         "ratio_max": float("inf"),
     }
     INT_ATTRS = {"do_bias_correction": 0}  # the legacy builder's default, not the op schema's
+    SWITCHES = ("do_bias_correction",)
     uses_norm = True
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
