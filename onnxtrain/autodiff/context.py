@@ -195,6 +195,13 @@ class GradCtx:
         """Entry ``i`` of a 1-D shape tensor, as a scalar (e.g. one dim of ``Shape(X)`` read at run time)."""
         return self.emit("Gather", shape, self.int64(i), axis=0)
 
+    def sgn(self, x: str) -> str:
+        """torch's sign of ``x`` (of the node's float type) for gradients: ±1, and 0 at ±0 and at NaN, where
+        ONNX's Sign is NaN (dY·Sign(NaN) sent NaN back from a NaN that was masked out downstream)."""
+        zero = self.const(0)
+        return self.emit("Where", self.emit("Greater", x, zero), self.const(1),
+                         self.emit("Where", self.emit("Less", x, zero), self.const(-1), zero))
+
     def zeros_like(self, name: str) -> str:
         et = self.elem_type(name) or self.dtype
         zero = onnx.numpy_helper.from_array(np.zeros(1, dtype=onnx.helper.tensor_dtype_to_np_dtype(et)))

@@ -119,11 +119,8 @@ def neg_grad(g: GradCtx) -> None:
 def abs_grad(g: GradCtx) -> None:
     # dX = dY·sgn(X) with torch's sgn, 0 at X == ±0 and at a NaN X: there dY·0, a zero of dY's sign for a
     # finite dY (so a NaN masked out downstream, dY = 0, sends no NaN back) and NaN for an infinite one
-    # (sqrt(|x|) at 0). ONNX's Sign leaves a NaN X undefined, so the sign is picked by comparisons
-    x, dy = g.x(0), g.dy(0)
-    zero = g.const(0)
-    pos = g.emit("Where", g.emit("Greater", x, zero), dy, g.emit("Mul", dy, zero))
-    g.set_dx(0, g.emit("Where", g.emit("Less", x, zero), g.emit("Neg", dy), pos))
+    # (sqrt(|x|) at 0)
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.sgn(g.x(0))))
 
 
 @gradient("Reciprocal", uses=("y0",))

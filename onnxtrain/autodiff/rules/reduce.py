@@ -180,12 +180,9 @@ def reduce_prod_grad(g: GradCtx) -> None:
 
 @gradient("ReduceL1", stop=(1,), uses=("x0",))
 def reduce_l1_grad(g: GradCtx) -> None:
-    # dX = dY·sgn(X) with torch's sgn, 0 at X == ±0 and at a NaN X (ONNX's Sign of NaN is NaN: a NaN whose
-    # sum is masked out downstream, dY = 0, would send NaN back); picked by comparisons
-    x, zero = g.x(0), g.const(0)
-    sgn = g.emit("Where", g.emit("Greater", x, zero), g.const(1),
-                 g.emit("Where", g.emit("Less", x, zero), g.const(-1), zero))
-    g.set_dx(0, g.emit("Mul", keep(g, g.dy(0)), sgn))
+    # dX = dY·sgn(X) with torch's sgn, 0 at X == ±0 and at a NaN X (a NaN whose sum is masked out downstream,
+    # dY = 0, sends no NaN back)
+    g.set_dx(0, g.emit("Mul", keep(g, g.dy(0)), g.sgn(g.x(0))))
 
 
 @gradient("ReduceL2", stop=(1,), uses=("x0", "y0"))
