@@ -857,16 +857,19 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
     checkpoints = None
     if p.recompute_checkpoints:  # (all of them left out: still a checkpoint recompute, of every activation)
         present = _graph_values(grad)  # (an initializer, a frozen weight, is a constant of the step too)
-        checkpoints = [renamed.get(c, c) for c in p.recompute_checkpoints
-                       if renamed.get(c, c) in present or c not in model_values]
-        foreign = [c for c in p.recompute_checkpoints
-                   if c not in model_values and renamed.get(c, c) in present]
+        checkpoints, foreign, replaced = [], [], []
+        for c in p.recompute_checkpoints:
+            name = renamed.get(c, c)
+            if c not in model_values and name in present:
+                foreign.append(c)
+            elif name in present or c not in model_values:  # (of neither graph: the pass refuses it)
+                checkpoints.append(name)
+            elif c not in model_constants:  # (a constant the rewrites removed keeps nothing: left out)
+                replaced.append(c)
         if foreign:  # (a gradient, the loss's gradient: values of the step graph only)
             raise ValueError(f"TrainingParameters recompute_checkpoints: {foreign} are not values of the "
                              "model but of the training graph the session built (gradients); a checkpoint "
                              "names a value of the model's forward pass")
-        replaced = [c for c in p.recompute_checkpoints
-                    if renamed.get(c, c) not in present and c in model_values and c not in model_constants]
         if replaced:
             warn(f"TrainingParameters recompute_checkpoints: {replaced} are values of the model that the "
                  "session's rewrites replaced (a Log(Sigmoid(z)) is computed as -softplus(-z), for one), so "
