@@ -386,8 +386,9 @@ def group_norm_grad(g: GradCtx) -> None:
 @gradient("LpNormalization", uses=("x0", "y0"))
 def lp_norm_grad(g: GradCtx) -> None:
     # Y = X/n along the axis, n = ||X||_p:  dX = (dY − s·Σ dY·Y)/n with s = ∂n/∂X = Y (p=2) or
-    # Sign(X) (p=1); a slice of norm 0 (Y = 0) gets dY/1, so an all-zero weight can leave 0. Half types
-    # compute in float32, as the kernel does (a float16 norm past 65504 was inf, and dX 0)
+    # torch's sgn(X) (p=1: ±1, 0 at ±0 and NaN, as Abs and ReduceL1); a slice of norm 0 (Y = 0) gets
+    # dY/1, so an all-zero weight can leave 0. Half types compute in float32, as the kernel does (a float16
+    # norm past 65504 was inf, and dX 0)
     p = g.attr("p")
     if p not in (1, 2):
         raise RuleError(f"LpNormalization gradient supports p=1 or p=2, got p={p}")
@@ -397,7 +398,7 @@ def lp_norm_grad(g: GradCtx) -> None:
     n = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=1)
     n = g.emit("Where", g.emit("Equal", n, g.const(0, wt)), g.const(1, wt), n)
     dot = g.reduce("ReduceSum", g.emit("Mul", dy, y), [axis], keepdims=1)
-    s = y if p == 2 else g.emit("Sign", x)
+    s = y if p == 2 else _cast(g, g.sgn(g.x(0)), wt, xt)
     g.set_dx(0, _cast(g, g.emit("Div", g.emit("Sub", dy, g.emit("Mul", s, dot)), n), xt, wt))
 
 

@@ -289,10 +289,10 @@ def _spatial_size(g: GradCtx) -> str:
 
 
 def _lp_factor(g: GradCtx, p: int) -> str:
-    """∂|x|ᵖ/∂x / p = x·|x|^(p−2) (Sign(x) for p = 1)."""
+    """∂|x|ᵖ/∂x / p = x·|x|^(p−2) (torch's sgn(x) for p = 1: 0 at NaN, where ONNX's Sign is NaN)."""
     x = g.x(0)
     if p == 1:
-        return g.emit("Sign", x)
+        return g.sgn(x)
     if p == 2:
         return x
     return g.emit("Mul", x, g.emit("Pow", g.emit("Abs", x), g.const(float(p - 2))))
