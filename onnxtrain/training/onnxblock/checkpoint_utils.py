@@ -38,8 +38,12 @@ def save_checkpoint(
           sort_parameters=False)
 
 
+@raises_as_onnxruntime
 def load_checkpoint_to_model(path_to_checkpoint: str | bytes | os.PathLike, model: onnx.ModelProto) -> None:
-    """Copy the checkpoint's parameter values into ``model``'s initializers of the same names, in place."""
+    """Copy the checkpoint's parameter values into ``model``'s initializers of the same names, in place.
+
+    A checkpoint that cannot be read (missing, damaged, a folder) is a RuntimeError too, as it is in
+    onnxruntime-training's binding."""
     path_to_checkpoint = os.fsdecode(path_to_checkpoint)  # (bytes: the file's name, as onnxruntime-training)
     ckpt = load_checkpoint(path_to_checkpoint)
     if ckpt.nominal:
