@@ -5,15 +5,14 @@ The output folder holds ``metrics.jsonl`` (one JSON object per logged step and p
 see :mod:`onnxtrain.train.checksums`), ``metrics.png``, ``model.onnx`` (a plain
 inference model of the trained weights) and ``config.yaml`` (the resolved configuration).
 
-Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL) set a flag that the
-loop checks between steps: it stops there and saves a checkpoint of that step (unless it has one), which
+Ctrl-C (SIGINT) and SIGTERM (what Slurm, Kubernetes and systemd send before SIGKILL) set a flag that the loop
+checks between steps: it stops there and saves a checkpoint of that step (unless it has one), which
 ``--resume`` continues from; the CLI exits 128 + the signal's number (130, 143). A second signal raises
-KeyboardInterrupt (:class:`Terminated` for SIGTERM; not a SIGTERM repeating the first within
-:data:`SIGTERM_REPEAT_S`, one request delivered twice, which is passed over even once the run has
-stopped) at once, that save too (files are only ever replaced
-atomically: the last complete checkpoint stays). Under ``mpiexec`` (which forwards SIGTERM and SIGINT to every
-rank) the ranks agree at each step's start whether any of them was signalled, so they stop after the same
-step however far apart the signals land, and no rank waits in a collective for one that left.
+KeyboardInterrupt at once, even during that save (:mod:`onnxtrain.train.stop_signals` says which signals count
+as a second one); files are only ever replaced atomically, so the last complete checkpoint stays. Under
+``mpiexec`` (which forwards SIGTERM and SIGINT to every rank) the ranks agree at each step's start whether any
+of them was signalled, so they stop after the same step however far apart the signals land, and no rank waits
+in a collective for one that left.
 
 Under ``mpiexec -n N`` every rank runs the loop on its share of each global batch (``split_batch``:
 the batch size stays the config's, so N ranks train as one process would); gradients are averaged
@@ -32,7 +31,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -69,6 +67,7 @@ from onnxtrain.train.outputs import (
     remove_stale_temporaries,
     unlock_folder,
 )
+from onnxtrain.train.progress import progress_bar
 from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.session import feed_names, make_session, training_parameters
 from onnxtrain.train.state import (
@@ -81,81 +80,12 @@ from onnxtrain.train.state import (
     session_to_checkpoint,
     trainable_names,
 )
+from onnxtrain.train.stop_signals import StopSignals
 
 _T = TypeVar("_T")
 EXIT_INTERRUPTED = 130
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a run between steps
-# A SIGTERM this soon after the first is the same stop request delivered twice, not a second one: a
-# cgroup-wide kill (systemd's KillMode=control-group, Slurm's signal to a job step's processes) signals each
-# rank directly and mpiexec, which forwards it to the ranks again (milliseconds apart)
-SIGTERM_REPEAT_S = 1.0
 ADASUM_RANKS = "adasum_ranks"  # checkpoint property: the number of ranks whose optimizer states it holds
 _ADASUM_TAG = 7301  # message tag of the ranks' optimizer states sent to rank 0
-
-
-class Terminated(KeyboardInterrupt):
-    """A second stop signal (SIGTERM) while a run stops: as a second Ctrl-C's KeyboardInterrupt, with the
-    signal's number (the CLI exits 128 + it)."""
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-
-class _Interrupts:
-    """Turns the first SIGINT or SIGTERM into a flag (checked between steps; ``signum`` says which); the
-    second raises KeyboardInterrupt (SIGINT) or :class:`Terminated` (SIGTERM), but a SIGTERM repeating a
-    first SIGTERM within :data:`SIGTERM_REPEAT_S` (one request delivered twice) is passed over."""
-
-    def __init__(self) -> None:
-        self.hit = False
-        self.signum = 0
-        self._at = 0.0
-        self._prev: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if self.hit:
-            if signum == self.signum == signal.SIGTERM and now - self._at < SIGTERM_REPEAT_S:
-                return
-            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
-        self.hit = True
-        self.signum = signum
-        self._at = now
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            for s in STOP_SIGNALS:
-                self._prev[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        until = self._at + SIGTERM_REPEAT_S
-        for s, prev in self._prev.items():
-            prev = prev if prev is not None else signal.SIG_DFL
-            if s == self.signum == signal.SIGTERM and time.monotonic() < until:
-                prev = _PassOverRepeats(prev, until)  # (the run stopped on it: a repeat may still come)
-            signal.signal(s, prev)
-        self._prev.clear()
-
-
-class _PassOverRepeats:
-    """SIGTERM's handler once a run has stopped on one: a repeat of it before ``until`` (monotonic time) is
-    passed over, as during the run; a later SIGTERM puts back ``prev`` (the handler before the run) and
-    gets its action."""
-
-    def __init__(self, prev: Any, until: float) -> None:
-        self.prev = prev
-        self.until = until
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if time.monotonic() < self.until:
-            return
-        signal.signal(signum, self.prev)
-        if callable(self.prev):
-            self.prev(signum, frame)
-        elif self.prev == signal.SIG_DFL:
-            os.kill(os.getpid(), signum)  # (delivered again, now to the default action)
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -688,11 +618,11 @@ class Trainer:
         show = self.progress and main
         # the label the loss ignores: a batch of such labels only has no loss (0/0) to log
         ignore = self.evaluate.labels.ignore
-        bar = _progress_bar(show, total=self.total, initial=st.global_step, desc=self.cfg.name)
+        bar = progress_bar(show, total=self.total, initial=st.global_step, desc=self.cfg.name)
         status, stopped_by = "finished", 0
         try:
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh, \
-                    _Interrupts() as stop:
+                    StopSignals() as stop:
                 started = st.global_step
                 while st.global_step < self.total:
                     stopped_by = self._stop_requested(stop.signum)
@@ -772,7 +702,7 @@ class Trainer:
                 print(f"onnxtrain: {how} at step {st.global_step}; {where}"
                       + ("; continue with --resume" if last_ckpt else ""), file=sys.stderr)
             return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, signal=stopped_by)
-        with _Interrupts() as late:  # the run's last outputs take seconds: a first signal waits for them
+        with StopSignals() as late:  # the run's last outputs take seconds: a first signal waits for them
             last_eval, exported = self._finish(st, records, last_eval)
         if late.hit and main:
             what = "Ctrl-C" if late.signum == signal.SIGINT else signal.Signals(late.signum).name
@@ -941,79 +871,3 @@ def json_line(record: dict[str, Any]) -> str:
     JSON: other readers refuse the line)."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     return json.dumps(clean, allow_nan=False) + "\n"
-
-
-class _NoBar:
-    """What the loop calls of a progress bar, doing nothing (no bar is shown)."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def write(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _LogProgress:
-    """The progress bar for a stderr that is not a terminal (a log file, a pipe): the bar's text as a line of
-    its own every ``every`` seconds and at the end, where tqdm redraws it ten times a second. The per-eval
-    lines go to stdout, as tqdm's ``write`` sends them."""
-
-    def __init__(self, total: int, initial: int, desc: str, every: float) -> None:
-        from tqdm import tqdm
-
-        self._format = tqdm.format_meter
-        self.total, self.initial, self.desc, self.every = total, initial, desc, every
-        self.n = initial
-        self.postfix = ""
-        self._shown: tuple[int, str] = (initial, "")  # what the last line showed
-        self.start = self.last = time.perf_counter()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if time.perf_counter() - self.last >= self.every:
-            self._show()
-
-    def set_postfix(self, values: dict[str, Any], refresh: bool = False) -> None:
-        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
-
-    def write(self, text: str) -> None:
-        print(text, flush=True)
-
-    def close(self) -> None:
-        if (self.n, self.postfix) != self._shown:
-            self._show()
-
-    def _show(self) -> None:
-        self.last = time.perf_counter()
-        self._shown = (self.n, self.postfix)
-        print(self._format(self.n, self.total, self.last - self.start, prefix=self.desc, unit="step",
-                           postfix=self.postfix or None, initial=self.initial, ascii=True),
-              file=sys.stderr, flush=True)
-
-
-LOG_PROGRESS_EVERY = 30.0  # seconds between the progress lines on a stderr that is not a terminal
-
-
-def _on_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):  # no such method, or a closed stream
-        return False
-
-
-def _progress_bar(show: bool, total: int, initial: int, desc: str) -> Any:
-    """tqdm's bar on stderr when ``show`` (a line every LOG_PROGRESS_EVERY seconds when stderr is not a
-    terminal), else one that does nothing (tqdm is then not imported)."""
-    if not show:
-        return _NoBar()
-    if not _on_terminal(sys.stderr):
-        return _LogProgress(total, initial, desc, LOG_PROGRESS_EVERY)
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)

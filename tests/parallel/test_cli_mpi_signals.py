@@ -196,7 +196,7 @@ def test_sigterm_to_some_ranks_stops_them_all_after_one_step(tmp_path, how):
 
 @pytest.mark.extended
 def test_two_sigterms_in_a_row_are_one_stop(tmp_path):
-    """Two SIGTERMs 2 ms apart to mpiexec are one stop request delivered twice (loop.SIGTERM_REPEAT_S): the
+    """Two SIGTERMs 2 ms apart to mpiexec are one stop request delivered twice (SIGTERM_REPEAT_S): the
     ranks stop after the same step and save there (exit 143; a second SIGTERM later than that stops the
     save at once, as a second Ctrl-C, and the ranks abort together); the checkpoints there are whole."""
     from onnxtrain.checkpoint import load_checkpoint

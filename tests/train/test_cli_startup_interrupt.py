@@ -110,9 +110,9 @@ def test_progress_to_a_file_is_a_few_lines(tmp_path):
 @pytest.mark.parametrize("every, shown", [(0.0, [1, 2, 3, 4, 5, 6, 6]), (3600.0, [6])])
 def test_progress_lines_come_every_interval_and_at_the_end(monkeypatch, capsys, tmp_path, every, shown):
     """A line at each step when the interval is 0, else one at the end with the last logged loss."""
-    from onnxtrain.train import Trainer, load_config, loop
+    from onnxtrain.train import Trainer, load_config, progress
 
-    monkeypatch.setattr(loop, "LOG_PROGRESS_EVERY", every)
+    monkeypatch.setattr(progress, "LOG_PROGRESS_EVERY", every)
     cfg = load_config(config_path("digits_mlp"), ["training.epochs=null", "training.steps=6",
                                                   "output.plot=false", "output.export=false"])
     Trainer(cfg, str(tmp_path / "run"), progress=True).run()

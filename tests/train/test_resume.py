@@ -408,27 +408,27 @@ def test_a_log_window_saved_by_another_number_of_ranks_is_kept(tmp_path):
 
 
 def test_a_repeated_sigterm_is_one_stop_request_a_later_one_a_second(monkeypatch):
-    """A SIGTERM repeating the first within loop.SIGTERM_REPEAT_S is the same request delivered twice (a
+    """A SIGTERM repeating the first within SIGTERM_REPEAT_S is the same request delivered twice (a
     cgroup-wide kill reaches a rank directly and again from mpiexec: it aborted the job without the stop's
     checkpoint); a SIGTERM after that, or a SIGINT, is a second request and raises at once."""
-    from onnxtrain.train import loop
+    from onnxtrain.train import stop_signals
 
     def deliver(signum: int) -> None:
         os.kill(os.getpid(), signum)
         time.sleep(0.01)  # (the handler runs between bytecodes of this thread)
 
-    with loop._Interrupts() as stop:
+    with stop_signals.StopSignals() as stop:
         deliver(signal.SIGTERM)
         try:
             deliver(signal.SIGTERM)
-        except loop.Terminated:  # (a KeyboardInterrupt: pytest would stop the session on it)
+        except stop_signals.Terminated:  # (a KeyboardInterrupt: pytest would stop the session on it)
             pytest.fail("a SIGTERM 10 ms after the first was taken as a second stop request")
         assert (stop.hit, stop.signum) == (True, signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt) as e:
             deliver(signal.SIGINT)
-        assert not isinstance(e.value, loop.Terminated)
-        monkeypatch.setattr(loop, "SIGTERM_REPEAT_S", 0.0)
-        with pytest.raises(loop.Terminated) as e:
+        assert not isinstance(e.value, stop_signals.Terminated)
+        monkeypatch.setattr(stop_signals, "SIGTERM_REPEAT_S", 0.0)
+        with pytest.raises(stop_signals.Terminated) as e:
             deliver(signal.SIGTERM)
         assert e.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -436,7 +436,7 @@ def test_a_repeated_sigterm_is_one_stop_request_a_later_one_a_second(monkeypatch
 
 _REPEAT_AFTER_THE_STOP = """
 import os, signal, sys, time
-from onnxtrain.train import loop
+from onnxtrain.train import stop_signals
 
 def deliver(signum):
     os.kill(os.getpid(), signum)
@@ -445,11 +445,11 @@ def deliver(signum):
 seen = []
 if sys.argv[1] == "handler":
     signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
-with loop._Interrupts() as stop:
+with stop_signals.StopSignals() as stop:
     deliver(signal.SIGTERM)
 deliver(signal.SIGTERM)  # the same request again, once the run has stopped: passed over
 print("alive", seen, flush=True)
-time.sleep(loop.SIGTERM_REPEAT_S)
+time.sleep(stop_signals.SIGTERM_REPEAT_S)
 deliver(signal.SIGTERM)  # a later one gets the handler that was there before the run
 print("after the window", seen, flush=True)
 """
