@@ -349,8 +349,11 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         return name
 
     def _check_attribute_maps(self) -> None:
+        """Refuse optimizer maps at fault for any weight the model trains, on every rank (as one process
+        refuses the whole model: a rank that took the maps would go on to run alone), before anything is
+        built or written (the stage dumps)."""
         p, opt = self._params, self._opt
-        originals = [self._original(held) for held in self._trained()]
+        originals = list(self._model_trained)
         for w in originals:
             for label, m in (
                 ("optimizer_attributes_map", p.optimizer_attributes_map),

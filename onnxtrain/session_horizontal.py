@@ -119,6 +119,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         self._model_trained = list(trainable)
+        self._check_attribute_maps()  # (before the stage is built and its dumps written)
         blocks: list = find_mlp_blocks(model, trainable, h)
         taken = {k for b in blocks for k in (*b.entries, b.second)}
         blocks = sorted(
@@ -169,7 +170,6 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             self._inputs.append(NodeArg(self._mp.loss_scale, "tensor(float)", [1]))
             self._dtypes[self._mp.loss_scale] = np.dtype(np.float32)
         self._setup_accumulation()
-        self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
     def _split_groups(self, comm: Any, share: int, replica: int, stage: int, stages: int) -> None:

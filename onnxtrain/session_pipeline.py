@@ -112,6 +112,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         self._model_trained = list(trainable)
+        self._check_attribute_maps()  # (before the stage is built and its dumps written)
         self._shared = tied_weights(model, self._part.runs, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
@@ -120,7 +121,6 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             self._sg.graphs["zero_update"] = zero_graph
         self._interface(model, trainable if p.set_gradients_as_graph_outputs else ())
         self._setup_accumulation()
-        self._check_attribute_maps()
 
     # ---- construction ------------------------------------------------------------------
     def _build_stage(self, model: onnx.ModelProto, trainable: list[str]) -> None:
