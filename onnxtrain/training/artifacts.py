@@ -137,7 +137,7 @@ from onnxtrain.training.artifact_meta import (
     add_metadata,
     finish_model,
 )
-from onnxtrain.training.onnxblock.model_accessor import editing, value_info
+from onnxtrain.training.onnxblock.model_accessor import UnknownValue, editing, value_info
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 from onnxtrain.training.optimizer_model import build_optimizer_model
 from onnxtrain.user_warning import warn
@@ -589,6 +589,10 @@ def build_training_models(
             raise ArtifactError(
                 f"the loss block must return a tensor name or a tuple of names, got {result!r}"
             )
+        for n in outs:  # (else the eval model failed onnx.checker without naming it)
+            if not acc.has_value(n):
+                raise UnknownValue(f"the loss block's build() returned {n!r}, which is not a value of the "
+                                   "model")
         for n in extra_outputs:
             if not acc.has_value(n):
                 raise LookupError(f"The provided name {n} is not a graph value info or a graph output.")

@@ -28,6 +28,11 @@ class BlockError(RuntimeError, ValueError):
     """A block cannot be built (bad argument, missing value, wrong type); the message says which."""
 
 
+class UnknownValue(BlockError, LookupError):
+    """A name given to a block, or returned by one, that is no value of the model: a ``LookupError`` too,
+    as onnxruntime-training's blocks raise when they look such a name up."""
+
+
 class ModelBase:
     """The model being edited plus name and type bookkeeping (onnxruntime-training's ``ModelAccessor``)."""
 
@@ -115,7 +120,9 @@ class ModelBase:
     def type_of(self, name: str) -> onnx.TypeProto:
         tp = self.types().get(name)
         if tp is None:
-            raise BlockError(f"{name!r} is not a value of the model (or its type is unknown)")
+            if not self.has_value(name):
+                raise UnknownValue(f"{name!r} is not a value of the model")
+            raise BlockError(f"the type of {name!r} is unknown (shape inference gives none)")
         return tp
 
     # ---- editing

@@ -29,7 +29,7 @@ from typing import Any
 import onnx
 
 from onnxtrain.training.onnxblock.blocks import Block
-from onnxtrain.training.onnxblock.model_accessor import BlockError, detached, value_info
+from onnxtrain.training.onnxblock.model_accessor import BlockError, UnknownValue, detached, value_info
 
 _NOT_BUILT_PARAMS = "Please build the training model first before trying to retrieve the parameters."
 _NOT_BUILT_MODELS = "Please build the training and eval models first before trying to retrieve them."
@@ -64,8 +64,8 @@ class ForwardBlock(Block):
             have = {o.name: o for o in acc.graph.output}
             for n in names:
                 if not acc.has_value(n):
-                    raise BlockError(f"{type(self).__name__}.build() returned {n!r}, which is not a value of "
-                                     "the model")
+                    raise UnknownValue(f"{type(self).__name__}.build() returned {n!r}, which is not a value "
+                                       "of the model")
             outputs = [have.get(n) or value_info(n, types) for n in names]
             del acc.graph.output[:]  # the block's outputs replace the base's, as onnxruntime-training's do
             acc.graph.output.extend(outputs)

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 
 from onnxtrain.ir.types import np_dtype
 from onnxtrain.training.onnxblock.blocks import Block, InputLike, Softplus, _acc, reduce
-from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase
+from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase, UnknownValue
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -132,6 +132,8 @@ class CrossEntropyLoss(Block):
     def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
         acc = _acc()
         x = scores_input_name
+        if not acc.has_value(x):
+            raise UnknownValue(f"CrossEntropyLoss: its scores {x!r} are not a value of the model")
         shape = acc.shape(x)
         if shape is None or len(shape) < 2:
             got = "an unknown rank" if shape is None else f"shape {shape}"
