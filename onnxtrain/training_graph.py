@@ -181,11 +181,18 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     inits = {t.name: t for t in model.graph.initializer}
     consumers = _consumers(model)
     wanted = p.weights_to_train
+    values = _graph_values(model)
+    if wanted and all(w not in consumers and (w in inits or w not in values) for w in wanted):
+        # onnxruntime's FilterUnusedWeights emptied the set, and an empty set is discovery (spec §2 steps 2
+        # and 6): names that a torch export renamed trained every weight there
+        warn(f"weights_to_train: {sorted(wanted)} have no consumer (none is read by the model"
+             f"{export_hint(model)}): training every float initializer that reaches the loss, as onnxruntime "
+             "did when it dropped them all")
+        wanted = set()
     if wanted:
         if p.immutable_weights:
             warn("immutable_weights has no effect when weights_to_train is given (only the discovery of "
                  "trainable weights without weights_to_train reads it)")
-        values = _graph_values(model)
         # updated by the forward pass; an optimizer step would overwrite the update. (A statistic may be an
         # Identity's output: an exporter's merged initializers, which the session gives each layer apart.)
         stats = sorted(w for w in wanted if any(n.op_type == "BatchNormalization" and i in (3, 4)
