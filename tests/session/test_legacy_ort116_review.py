@@ -9,6 +9,10 @@ outputs, get_state() and get_optimizer_state() are compared to float32 rounding
   them, and then, the set being empty, finds the trained weights as without ``weights_to_train`` (every float
   initializer that reaches the loss; the spec's §2, steps 2 and 6). onnxtrain refused the session ("no
   trainable weight reaches the loss").
+* An Adam ``do_bias_correction`` or ``weight_decay_mode`` other than 0 or 1: 1.16.3's AdamOptimizer kernel
+  refuses it when the session is made, a ``RuntimeException``; onnxtrain refused it as a ``Fail`` (and a
+  ValueError), so a ported ``except RuntimeException`` missed it. It is now both: an instance of 1.16.3's
+  class, by name, as tests/session/test_legacy_ort116_surface.py compares every refusal.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def _params(opt: str, wanted: set[str], **kw) -> dict:
             "optimizer_int_attributes_map": {w: {} for w in MAPPED}, **kw}
 
 
+SWITCHES = {"do_bias_correction": 2, "weight_decay_mode": 2}
+
 CASES = {
     "sgd_unused_name_only": (_with_unused, "SGDOptimizer", {"unused"}),
     "sgd_names_the_model_lacks": (_with_unused, "SGDOptimizer", {"fc.weight", "unused"}),
@@ -51,6 +57,10 @@ def traces() -> dict:
     cases = {name: Case(model(), _params(opt, wanted), [Step(f) for f in mlp_feeds(3, LRS)],
                         ours=CPU_ADAM if opt == "AdamOptimizer" else {})
              for name, (model, opt, wanted) in CASES.items()}
+    for key, value in SWITCHES.items():
+        p = _params("AdamOptimizer", set(MLP_WEIGHTS))
+        p["optimizer_int_attributes_map"] = {**p["optimizer_int_attributes_map"], "W2": {key: value}}
+        cases[key] = Case(mlp(), p, [Step(f) for f in mlp_feeds(1, LRS)], ours=CPU_ADAM)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peer, ours = run_cases(list(cases.values()))
@@ -79,3 +89,20 @@ def test_the_fallback_is_named_in_a_warning() -> None:
     assert any("fc.weight" in m and "no consumer" in m for m in messages), messages
     assert any("every float initializer that reaches the loss" in m for m in messages), messages
     assert sorted(s.get_state()) == sorted(MLP_WEIGHTS)
+
+
+@pytest.mark.parametrize("key", sorted(SWITCHES))
+def test_an_adam_switch_out_of_range_is_refused_as_1_16_3s_class(traces: dict, key: str) -> None:
+    peer, _ = traces[key]
+    assert peer.error is not None and f"{key}" in peer.error, peer.error  # (its kernel's check)
+    expected = peer.error.split(":", 1)[0]
+    p = onnxtrain.TrainingParameters()
+    for k, v in _params("AdamOptimizer", set(MLP_WEIGHTS)).items():
+        setattr(p, k, v)
+    p.optimizer_int_attributes_map = {**p.optimizer_int_attributes_map, "W2": {key: SWITCHES[key]}}
+    with pytest.raises(Exception) as caught:
+        onnxtrain.TrainingSession(mlp().SerializeToString(), p)
+    classes = [c.__name__ for c in type(caught.value).__mro__]
+    assert expected in classes, (expected, classes)
+    assert "ValueError" in classes and "Fail" in classes  # (what onnxtrain raised before, kept)
+    assert f"optimizer_int_attributes_map['W2'][{key!r}] must be 0 or 1, got 2" in str(caught.value)
