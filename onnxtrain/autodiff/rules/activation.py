@@ -139,12 +139,13 @@ def hard_sigmoid_grad(g: GradCtx) -> None:
 @gradient("HardSwish", uses=("x0",))
 def hard_swish_grad(g: GradCtx) -> None:
     # Y = X·clip(a·X + ½, 0, 1) with a = 1/6 as ONNX's body has it (a float32 attribute, as the kernel
-    # uses): dX = dY·(X ≤ -3 ? 0 : X < 3 ? 2a·X + ½ : 1); at ±3 the outer piece's slope, as torch
+    # uses): dX = X ≤ -3 ? 0 : dY·(X < 3 ? 2a·X + ½ : 1); at ±3 the outer piece's slope, as torch. The flat
+    # side is selected, not dY·0 (torch's hardswish_backward): an infinite or NaN dY there sends 0, not NaN
     x = g.x(0)
     mid = g.emit("Add", g.emit("Mul", x, g.const(2 * float(np.float32(1 / 6)))), g.const(0.5))
     d = g.emit("Where", g.emit("Less", x, g.const(3)), mid, g.const(1))
-    d = g.emit("Where", g.emit("LessOrEqual", x, g.const(-3)), g.const(0), d)
-    g.set_dx(0, g.emit("Mul", g.dy(0), d))
+    flat = g.emit("LessOrEqual", x, g.const(-3))
+    g.set_dx(0, g.emit("Where", flat, g.const(0), g.emit("Mul", g.dy(0), d)))
 
 
 @gradient("Softplus", uses=("x0",))

@@ -55,10 +55,12 @@ def div_grad(g: GradCtx) -> None:
 
 @gradient("Pow", uses=("x0", "x1", "y0"))
 def pow_grad(g: GradCtx) -> None:
-    # Y = A^B: dA = dY·B·A^(B-1), 0 where B == 0 (as torch: the exponent B-1 is replaced there so
-    #          0·0^-1 = nan cannot occur; the Where runs on B's shape, often a scalar);
-    #          dB = dY·Y·log(A), 0 where A < 0 (log undefined; torch gives nan) and where A == 0 <= B
-    #          (torch's mask); A == 0 > B gives Y·log(0) = inf·(−inf) = −inf·dY, as torch
+    # Y = A^B: dA = B == 0 ? 0 : dY·(B·A^(B-1)) (torch's pow_backward and its order of products: the 0
+    #          is selected, so an infinite or NaN dY sends 0 there, and the exponent B-1 is replaced where
+    #          B == 0 so 0·0^-1 = nan cannot occur);
+    #          dB = dY·(A == 0 <= B ? 0 : Y·log(A)) (torch's mask, inside the product as torch has it:
+    #          dY = inf there gives NaN, and a NaN B is not >= 0), and 0 where A < 0 (log undefined; torch
+    #          gives nan); A == 0 > B gives Y·log(0) = inf·(−inf) = −inf·dY, as torch
     a, b = g.x(0), g.x(1)
     ta, tb = g.elem_type(a) or g.dtype, g.elem_type(b) or g.dtype
     bf = b if tb == ta else g.emit("Cast", b, to=ta)  # B may be an integer or another float type
@@ -67,18 +69,20 @@ def pow_grad(g: GradCtx) -> None:
         c = _fixed_exponent(g, b)
         if c == 1:  # dY·1·A⁰ = dY, A⁰ being 1 for every A
             g.set_dx(0, g.unbroadcast(g.dy(0), 0))
+        elif c == 2:  # A¹ is A: a square's gradient is dY·(2·A), one product fewer than dY·(2·A¹)
+            g.set_dx(0, g.unbroadcast(g.emit("Mul", g.dy(0), g.emit("Mul", g.const(2.0, ta), a)), 0))
+        elif c is not None:
+            factor = g.emit("Mul", g.const(c, ta), g.emit("Pow", a, g.const(c - 1, ta)))
+            g.set_dx(0, g.unbroadcast(g.emit("Mul", g.dy(0), factor), 0))
         else:
-            if c is None:
-                e = g.emit("Sub", g.emit("Where", g.emit("Equal", bf, zero), one, bf), one)
-                power = g.emit("Pow", a, e)
-            else:  # A¹ is A: a square's gradient is (dY·2)·A
-                power = a if c == 2 else g.emit("Pow", a, g.const(c - 1, ta))
-            da = g.emit("Mul", g.emit("Mul", g.dy(0), bf if c is None else g.const(c, ta)), power)
-            g.set_dx(0, g.unbroadcast(da, 0))
+            b_zero = g.emit("Equal", bf, zero)
+            e = g.emit("Sub", g.emit("Where", b_zero, one, bf), one)
+            da = g.emit("Mul", g.dy(0), g.emit("Mul", bf, g.emit("Pow", a, e)))
+            g.set_dx(0, g.unbroadcast(g.emit("Where", b_zero, zero, da), 0))
     if g.needs_dx(1):
         log_a = g.emit("Log", g.emit("Where", g.emit("Less", a, zero), one, a))
-        flat = g.emit("And", g.emit("Equal", a, zero), g.emit("Not", g.emit("Less", bf, zero)))
-        t = g.emit("Where", flat, zero, g.emit("Mul", g.emit("Mul", g.dy(0), g.y(0)), log_a))
+        flat = g.emit("And", g.emit("Equal", a, zero), g.emit("GreaterOrEqual", bf, zero))
+        t = g.emit("Mul", g.dy(0), g.emit("Where", flat, zero, g.emit("Mul", g.y(0), log_a)))
         db = g.unbroadcast(t, 1)
         g.set_dx(1, db if tb == ta else g.emit("Cast", db, to=tb))
 
@@ -168,25 +172,33 @@ def _fixed_value(g: GradCtx, name: str) -> np.ndarray | None:
 
 def _extremum_grad(g: GradCtx) -> None:
     # Max/Min: dY goes to the inputs equal to Y; ties between inputs that vary split it evenly
-    # (torch.maximum/minimum), dXi = unbroadcast(dY·[Xi == Y] / Σj [Xj == Y]). A constant input is a
+    # (torch.maximum/minimum), dXi = unbroadcast([Xi == Y] ? dY / Σj [Xj == Y] : 0). A constant input is a
     # bound, as in Max(x, c) ≡ Clip(x, c), which torch's dynamo exporter writes for x.clamp(lo, hi): it
     # takes no share, so x at the bound gets all of dY, as torch.clamp (and onnxtrain's Clip) give.
+    # The inputs not taken are selected to 0, not multiplied by it, as torch's masks: an infinite or NaN
+    # dY sends them 0, not NaN. Where Y is NaN (a NaN input), every input that varies gets all of dY, as
+    # torch.maximum/minimum give both (neither is below the other), so a NaN masked out downstream (dY = 0)
+    # sends 0; with one varying input (a clamp) a NaN gets 0, as torch.clamp gives.
     n = g.n_inputs
     if n == 1:
         g.set_dx(0, g.dy(0))
         return
     live = [i for i in range(n) if _fixed_value(g, g.node.input[i]) is None]
-    masks = {i: g.emit("Cast", g.emit("Equal", g.x(i), g.y(0)), to=g.dtype) for i in live}
+    y = g.y(0)
+    masks = {i: g.emit("Equal", g.x(i), y) for i in live}
     if len(live) == 1:
-        share = g.dy(0)  # Max(x, c): dX = dY·[X == Y], no count
+        share = g.dy(0)  # Max(x, c): dX = [X == Y] ? dY : 0, no count
     else:
-        # a count of 0 where a constant alone attains Y, or where Y is NaN (every mask 0 there): no share
-        # instead of 0/0, as torch gives a masked NaN position nothing
-        count = g.emit("Max", g.emit("Sum", *masks.values()), g.const(1))
+        # a count of 0 where a constant alone attains Y, or where Y is NaN (every mask false there): no
+        # division by 0; at a NaN Y every varying input takes dY
+        count = g.emit("Max", g.emit("Sum", *(g.emit("Cast", m, to=g.dtype) for m in masks.values())),
+                       g.const(1))
         share = g.emit("Div", g.dy(0), count)
+        nan_y = g.emit("IsNaN", y)
+        masks = {i: g.emit("Or", m, nan_y) for i, m in masks.items()}
     for i in live:
         if g.needs_dx(i):
-            g.set_dx(i, g.unbroadcast(g.emit("Mul", share, masks[i]), i))
+            g.set_dx(i, g.unbroadcast(g.emit("Where", masks[i], share, g.const(0)), i))
 
 
 gradient("Max", uses=("x*", "y0"))(_extremum_grad)
