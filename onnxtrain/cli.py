@@ -296,7 +296,7 @@ def _gradient_graph(a: argparse.Namespace) -> int:
 def _info(a: argparse.Namespace) -> int:
     from onnx import numpy_helper
 
-    from onnxtrain.autodiff.builder import upgrade_opset
+    from onnxtrain.autodiff.opset_upgrade import upgrade_opset
     from onnxtrain.autodiff.registry import find_rule, has_no_gradient
     from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg

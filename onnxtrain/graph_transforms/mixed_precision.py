@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.autodiff.opset_upgrade import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
 from onnxtrain.ir.elem_types import formal_types

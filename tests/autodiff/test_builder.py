@@ -495,7 +495,7 @@ def test_upgrade_keeps_onnxruntime_layer_norm_of_an_older_opset() -> None:
     its mean and inverse standard deviation outputs included."""
     from onnx.reference import ReferenceEvaluator
 
-    from onnxtrain.autodiff.builder import upgrade_opset
+    from onnxtrain.autodiff.opset_upgrade import upgrade_opset
 
     rng = np.random.default_rng(0)
     scale, bias = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)

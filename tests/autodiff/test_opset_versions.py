@@ -231,7 +231,7 @@ def test_old_dropout_mask_cast_below_opset_15() -> None:
     """The mask's cast holds at a target opset before CastLike (15): upgrade_opset to 13, as the translation
     of onnxruntime-training models does, gives a model onnx.checker passes and onnxruntime runs to the
     values of the model as given (its mask the input's float type)."""
-    from onnxtrain.autodiff.builder import upgrade_opset
+    from onnxtrain.autodiff.opset_upgrade import upgrade_opset
 
     nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"], name="drop", ratio=0.3),
              helper.make_node("Neg", ["mask"], ["neg_mask"])]

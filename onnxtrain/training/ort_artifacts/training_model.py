@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.autodiff.builder import EARLY_OPS, upgrade_opset
+from onnxtrain.autodiff.opset_upgrade import EARLY_OPS, upgrade_opset
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.training.ort_artifacts.common import (
