@@ -7,7 +7,16 @@ from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.ir.types import held
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, compute_type, fattr, iattr, scalar
+from onnxtrain.optim.base import (
+    Optimizer,
+    StateSpec,
+    WeightSlot,
+    compute_type,
+    fattr,
+    iattr,
+    scalar,
+    switch_refused,
+)
 
 
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
@@ -128,7 +137,7 @@ class Adam(Optimizer):
     name = "AdamOptimizer"
     FLOAT_ATTRS = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-8, "max_norm_clip": 1.0}
     INT_ATTRS = {"do_bias_correction": 1, "weight_decay_mode": 0}
-    SWITCHES = ("do_bias_correction",)
+    SWITCHES = ("do_bias_correction", "weight_decay_mode")
     uses_norm = True
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
@@ -166,10 +175,7 @@ class Adam(Optimizer):
             lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
             mode = iattr(s, self, "weight_decay_mode")
             if mode not in (0, 1):
-                raise ValueError(
-                    f"optimizer_int_attributes_map[{s.name!r}]['weight_decay_mode'] must be 0 or 1, "
-                    f"got {mode}"
-                )
+                raise switch_refused(s.name, "weight_decay_mode", mode)
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)

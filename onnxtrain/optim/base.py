@@ -15,10 +15,20 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnxtrain.errors import InvalidGraph
+from onnxtrain.errors import FailValueError, InvalidGraph, RuntimeException
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.ir.builder import half_widened as compute_type  # (the type a weight's update computes in)
 from onnxtrain.user_warning import warn
+
+
+class SwitchRefused(FailValueError, RuntimeException):
+    """An on/off attribute (``SWITCHES``, Adam's ``weight_decay_mode``) other than 0 or 1: onnxtrain's
+    ``FailValueError``, and a ``RuntimeException`` as onnxruntime-training 1.16.3's optimizer kernel raised
+    it when the session was made."""
+
+
+def switch_refused(weight: str, key: str, value: Any) -> SwitchRefused:
+    return SwitchRefused(f"optimizer_int_attributes_map[{weight!r}][{key!r}] must be 0 or 1, got {value!r}")
 
 
 @dataclass
@@ -137,8 +147,7 @@ class Optimizer:
             for w in weights:
                 v = ints.get(w, {}).get(key, self.INT_ATTRS[key])
                 if v not in (0, 1):
-                    raise ValueError(f"optimizer_int_attributes_map[{w!r}][{key!r}] must be 0 or 1, "
-                                     f"got {v!r}")
+                    raise switch_refused(w, key, v)
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []

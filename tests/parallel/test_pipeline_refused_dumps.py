@@ -20,9 +20,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refused_dumps
 
 # case → what each rank's refusal names
 REFUSED = {
-    "bias_correction_2": ["ValueError", "['do_bias_correction'] must be 0 or 1, got 2",
+    "bias_correction_2": ["SwitchRefused", "['do_bias_correction'] must be 0 or 1, got 2",
                           "optimizer_int_attributes_map["],
-    "bias_correction_2_on_stage_1s_weight": ["ValueError", "optimizer_int_attributes_map['G']",
+    "bias_correction_2_on_stage_1s_weight": ["SwitchRefused", "optimizer_int_attributes_map['G']",
                                              "must be 0 or 1, got -1"],
     "no_entry_for_stage_1s_weight": ["ValueError", "optimizer_attributes_map has no entry", "'G'"],
     "int_attribute_in_the_float_map": ["InvalidGraph", "'do_bias_correction' of weight 'W'",
