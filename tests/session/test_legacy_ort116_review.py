@@ -13,6 +13,12 @@ outputs, get_state() and get_optimizer_state() are compared to float32 rounding
   refuses it when the session is made, a ``RuntimeException``; onnxtrain refused it as a ``Fail`` (and a
   ValueError), so a ported ``except RuntimeException`` missed it. It is now both: an instance of 1.16.3's
   class, by name, as tests/session/test_legacy_ort116_surface.py compares every refusal.
+
+Checked and found to agree (kept as comparisons): SGD steps through gradient rules that
+test_legacy_ort116_numerics does not reach (Gather with repeated indices, Greater/Where, Clip, Slice, Split,
+Concat, Unsqueeze/Expand, Tile, Pad, LeakyRelu, AveragePool, GlobalAveragePool, ReduceLogSumExp, ReduceL2,
+Reciprocal, Cos, Cast to float64 and back, TopK, GatherElements). (1.16.3 has no gradient of Sum or
+Softplus: those stay out.)
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import warnings
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from tests.session.legacy_peer import Case, Step, run_cases
@@ -106,3 +112,90 @@ def test_an_adam_switch_out_of_range_is_refused_as_1_16_3s_class(traces: dict, k
     assert expected in classes, (expected, classes)
     assert "ValueError" in classes and "Fail" in classes  # (what onnxtrain raised before, kept)
     assert f"optimizer_int_attributes_map['W2'][{key!r}] must be 0 or 1, got 2" in str(caught.value)
+
+
+def _op_chains() -> dict[str, object]:
+    """Small models over more gradient rules, each to a scalar loss; trained A, C [12, 12], B [12], D [12],
+    E [20, 12] (each above 8 values: 1.16.3's ConstantSharing); x [4, 12] ([4, 12, 12] for the Gather)."""
+    n = helper.make_node
+    chains = {
+        "gather_where_clip": [
+            n("Gather", ["E", "idx"], ["g"]), n("MatMul", ["g", "A"], ["m"]),
+            n("Greater", ["m", "zero"], ["c"]), n("Where", ["c", "m", "x"], ["w"]),
+            n("Clip", ["w", "lo", "hi"], ["cl"]), n("Mul", ["cl", "B"], ["o"]),
+            n("ReduceMean", ["o"], ["loss"], keepdims=0)],
+        "slice_split_concat": [
+            n("MatMul", ["x", "A"], ["m"]), n("Slice", ["m", "s0", "s1", "ax1"], ["sl"]),
+            n("Split", ["m"], ["p1", "p2"], axis=1, num_outputs=2),
+            n("Concat", ["p2", "sl", "p1"], ["cc"], axis=1),
+            n("Mul", ["cc", "cc"], ["q"]), n("ReduceSum", ["q"], ["loss"], keepdims=0)],
+        "expand_tile_pad": [
+            n("Unsqueeze", ["D", "ax0"], ["du"]), n("Expand", ["du", "shp"], ["ex"]),
+            n("MatMul", ["x", "A"], ["m"]), n("Mul", ["m", "ex"], ["me"]), n("Tile", ["me", "reps"], ["ti"]),
+            n("Pad", ["ti", "pads"], ["pd"]),
+            n("LeakyRelu", ["pd"], ["lr"], alpha=0.1), n("ReduceMean", ["lr"], ["r"], keepdims=0),
+            n("Mul", ["r", "r"], ["loss"])],
+        "pool_lse_l2": [
+            n("MatMul", ["x", "A"], ["m"]), n("Reshape", ["m", "s4"], ["m4"]),
+            n("AveragePool", ["m4"], ["ap"], kernel_shape=[2, 2]), n("GlobalAveragePool", ["m4"], ["gp"]),
+            n("ReduceLogSumExp", ["ap"], ["lse"], keepdims=0), n("ReduceL2", ["gp"], ["l2"], keepdims=0),
+            n("Add", ["lse", "l2"], ["s"]), n("ReduceSum", ["s"], ["loss"], keepdims=0)],
+        "reciprocal_cos_cast": [
+            n("MatMul", ["x", "A"], ["m"]), n("Mul", ["m", "m"], ["mm"]), n("Add", ["mm", "one"], ["m1"]),
+            n("Reciprocal", ["m1"], ["rc"]), n("Cos", ["m"], ["cs"]), n("Add", ["rc", "cs"], ["rcs"]),
+            n("Add", ["rcs", "B"], ["sm"]), n("Cast", ["sm"], ["cd"], to=TensorProto.DOUBLE),
+            n("Cast", ["cd"], ["cf"], to=TensorProto.FLOAT), n("MatMul", ["cf", "C"], ["f"]),
+            n("ReduceMean", ["f"], ["loss"], keepdims=0)],
+        "gather_elements_topk": [
+            n("MatMul", ["x", "A"], ["m"]), n("TopK", ["m", "k"], ["tv", "ti"], axis=1),
+            n("GatherElements", ["m", "gi"], ["ge"], axis=1), n("ReduceSum", ["tv"], ["a"], keepdims=0),
+            n("ReduceSum", ["ge"], ["b"], keepdims=0), n("Mul", ["a", "b"], ["loss"])],
+    }
+    rng = np.random.default_rng(5)
+    weights = {"A": rng.standard_normal((12, 12)) * 0.3, "B": rng.standard_normal(12),
+               "C": rng.standard_normal((12, 12)) * 0.3, "D": rng.standard_normal(12),
+               "E": rng.standard_normal((20, 12)) * 0.5}
+    consts = {"idx": np.array([[1, 3, 3, 19, 0, 1, 2, 5, 5, 5, 7, 8]] * 4, np.int64),
+              "zero": np.array(0.0, np.float32), "lo": np.array(-0.5, np.float32),
+              "hi": np.array(0.7, np.float32),
+              "s0": np.array([2], np.int64), "s1": np.array([9], np.int64), "ax1": np.array([1], np.int64),
+              "ax0": np.array([0], np.int64), "shp": np.array([4, 12], np.int64),
+              "reps": np.array([2, 1], np.int64),
+              "pads": np.array([1, 0, 0, 2], np.int64), "s4": np.array([4, 1, 3, 4], np.int64),
+              "one": np.array(1.0, np.float32), "k": np.array([3], np.int64),
+              "gi": np.array([[0, 5, 5], [1, 2, 11], [3, 3, 3], [10, 0, 4]], np.int64)}
+    cases = {}
+    for name, nodes in chains.items():
+        used = {i for node in nodes for i in node.input}
+        inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items() if k in used]
+        inits += [numpy_helper.from_array(v, k) for k, v in consts.items() if k in used]
+        shape = [4, 12, 12] if name.startswith("gather_where") else [4, 12]
+        g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        trained = sorted(k for k in weights if k in used)
+        params = {"loss_output_name": "loss", "training_optimizer_name": "SGDOptimizer",
+                  "weights_to_train": set(trained), "optimizer_attributes_map": {w: {} for w in trained},
+                  "optimizer_int_attributes_map": {w: {} for w in trained}}
+        feeds = np.random.default_rng(2)
+        steps = [Step({"x": feeds.standard_normal(shape).astype(np.float32),
+                       "Learning_Rate": np.array([lr], np.float32)}) for lr in (0.1, 0.05, 0.2)]
+        cases[name] = Case(model, params, steps)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def op_traces() -> dict:
+    cases = _op_chains()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peer, ours = run_cases(list(cases.values()))
+    return dict(zip(cases, zip(peer, ours)))
+
+
+@pytest.mark.parametrize("name", ["gather_where_clip", "slice_split_concat", "expand_tile_pad", "pool_lse_l2",
+                                  "reciprocal_cos_cast", "gather_elements_topk"])
+def test_more_gradient_rules_step_as_1_16_3s(op_traces: dict, name: str) -> None:
+    peer, ours = op_traces[name]
+    _compare(name, peer, ours)
+    assert len(peer.state) == 3 and peer.state[2]  # (three steps compared)
