@@ -145,6 +145,21 @@ def test_pow_gradients_on_a_grid_as_torch(dtype: type) -> None:
           lambda i: f"dB at a {a[keep][i]}, b {b[keep][i]}, dY {dy[keep][i]}")
 
 
+@pytest.mark.parametrize("c", [0.5, 2.0, 3.0, -1.0, -0.5, 1.5, -2.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pow_with_a_fixed_exponent_as_torchs_scalar_pow(c: float, dtype: type) -> None:
+    # x.pow(c) with a Python number, as torch's exporters write it (Pow with a constant): at c = 0.5 the
+    # forward is the square root (−0 at −0, NaN at −inf) and torch's gradient 0.5·rsqrt(x) is −inf at −0
+    # and NaN at −inf; 0.5·A^−0.5 gave +inf and 0 there
+    x, dy = _grid(dtype, POW_BASES, DYS)
+    got = _grads("Pow", {"x": x, "c": np.array(c, dtype)}, dy, consts=("c",))
+    want = _torch(lambda t, _c: t.pow(c), {"x": x, "c": np.array(c, dtype)}, ["x"], dy)
+    if c != -0.5:  # (the engine's x^−0.5 is numpy's and onnx.reference's, +inf at −0 and 0 at −inf, where
+        # torch's scalar pow takes rsqrt: −inf and NaN; its gradient −0.5·x^−1.5 agrees)
+        _same(got["Y"], want["Y"], 4 * np.finfo(dtype).eps, lambda i: f"Y at x {x[i]}")
+    _same(got["x_grad"], want["x_grad"], 4 * np.finfo(dtype).eps, lambda i: f"x {x[i]}, dY {dy[i]}")
+
+
 # ---- found equal: kept so ---------------------------------------------------------------------------------
 
 UNARY: dict[str, tuple[str, dict, Callable, bool, float]] = {

@@ -71,6 +71,10 @@ def pow_grad(g: GradCtx) -> None:
             g.set_dx(0, g.unbroadcast(g.dy(0), 0))
         elif c == 2:  # A¹ is A: a square's gradient is dY·(2·A), one product fewer than dY·(2·A¹)
             g.set_dx(0, g.unbroadcast(g.emit("Mul", g.dy(0), g.emit("Mul", g.const(2.0, ta), a)), 0))
+        elif c == 0.5:  # Y is √A (the engine's, numpy's and torch's x.pow(0.5)): dY·(0.5·Y^−1), torch's
+            # 0.5·rsqrt(A) to the bit, with its −inf at −0 and NaN at −inf (A^−0.5 is +inf and 0 there)
+            factor = g.emit("Mul", g.const(0.5, ta), g.emit("Pow", g.y(0), g.const(-1.0, ta)))
+            g.set_dx(0, g.unbroadcast(g.emit("Mul", g.dy(0), factor), 0))
         elif c is not None:
             factor = g.emit("Mul", g.const(c, ta), g.emit("Pow", a, g.const(c - 1, ta)))
             g.set_dx(0, g.unbroadcast(g.emit("Mul", g.dy(0), factor), 0))
