@@ -10,7 +10,7 @@ the NaN, inf and signed-zero pattern must be torch's exactly and the numbers equ
 Left out, where torch itself has no single answer: a NaN input of Elu, Selu, Celu, HardSwish and Shrink
 (torch's vectorized kernels give NaN, its scalar loop, which short tensors take, the linear side's dY:
 test_edge_values_vs_torch's five-element NaN test sees the latter),
-ReduceProd with a zero anywhere in the tensor (torch then switches to another formula for every slice).
+ReduceProd with a zero anywhere in the tensor (torch then switches to exclusive products for every slice).
 The documented differences are tested as such at the end."""
 
 from __future__ import annotations
@@ -291,6 +291,21 @@ def test_reductions_and_softmax_rows_under_every_incoming_gradient(dtype: type) 
             want = _torch(fn, {"x": rows}, ["x"], dy)
             _same(got["x_grad"], want["x_grad"], 8 * np.finfo(dtype).eps,
                   lambda i, op=op, dyv=dyv: f"{op} row {rows[i // 3]}, dY {dyv}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_prod_without_zeros_at_nan_infinities_and_overflow(dtype: type) -> None:
+    # no zero anywhere in the tensor: torch's dY·Y/X, as the rule's (a zero elsewhere makes torch take
+    # exclusive products for every slice: left out)
+    rows = np.array([[NAN, 1, 2], [-INF, -INF, -INF], [INF, INF, 1], [1e30, 1e30, 1], [2, 1, NAN],
+                     [-INF, 2, 1], [1e-40, 3, 1], [-0.5, 4, -2]], dtype)
+    axes = np.array([1], np.int64)
+    for dyv in DYS:
+        dy = np.full((len(rows), 1), dyv, dtype)
+        got = _grads("ReduceProd", {"x": rows, "axes": axes}, dy, consts=("axes",))
+        want = _torch(lambda t, ax: t.prod(1, keepdim=True), {"x": rows, "axes": axes}, ["x"], dy)
+        _same(got["x_grad"], want["x_grad"], 4 * np.finfo(dtype).eps,
+              lambda i, dyv=dyv: f"row {rows[i // 3]}, dY {dyv}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
