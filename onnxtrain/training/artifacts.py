@@ -604,6 +604,10 @@ def build_training_models(
                 f"graph outputs would repeat {dup}: additional_output_names must not repeat the loss outputs"
             )
         types = acc.types()
+    # a ForwardBlock in the loss replaces the model in place (CopyFrom), which leaves the graph and the
+    # initializers taken above detached from it: take them again (the same names: the base's initializers)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer if t.name in inits}
     _declare_as_computed(g, types)
     input_grads = _input_gradients(base, g, inits, trainable)  # (loss inputs such as target count too)
     if isinstance(loss, onnxblock.blocks.PassThrough):
