@@ -62,6 +62,7 @@ class Case:
     ours: dict[str, Any] = field(default_factory=dict)
     as_bytes: bool = False
     peer_config: dict[str, str] = field(default_factory=dict)  # 1.16.3's session options over PEER_CONFIG
+    ours_config: dict[str, str] = field(default_factory=dict)  # onnxtrain's (its onnxtrain.backend entry)
 
 
 @dataclass
@@ -186,7 +187,7 @@ def _describe(cases: list[Case], folder: str) -> tuple[list[dict[str, Any]], dic
                   "load": None if st.load is None else {n: keep(v) for n, v in st.load.items()}}
                  for st in c.steps]
         spec.append({"path": path, "as_bytes": c.as_bytes, "params": params, "initial": initial,
-                     "steps": steps, "ours": c.ours, "config": c.peer_config})
+                     "steps": steps, "ours": c.ours, "config": c.peer_config, "ours_config": c.ours_config})
     return spec, arrays
 
 
@@ -228,6 +229,6 @@ def run_cases(cases: list[Case]) -> tuple[list[Trace], list[Trace]]:
         peer = _collect(peer_out, metas, cases)
         import onnxtrain
 
-        ours_spec = [{**c, "config": {}} for c in spec]  # (the config entries are 1.16.3's)
+        ours_spec = [{**c, "config": c["ours_config"]} for c in spec]  # (1.16.3's entries are its own)
         ours_out, ours_metas = _namespace["run_all"](onnxtrain, ours_spec, arrays)
     return peer, _collect(ours_out, ours_metas, cases)

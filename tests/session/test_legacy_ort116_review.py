@@ -18,7 +18,9 @@ Checked and found to agree (kept as comparisons): SGD steps through gradient rul
 test_legacy_ort116_numerics does not reach (Gather with repeated indices, Greater/Where, Clip, Slice, Split,
 Concat, Unsqueeze/Expand, Tile, Pad, LeakyRelu, AveragePool, GlobalAveragePool, ReduceLogSumExp, ReduceL2,
 Reciprocal, Cos, Cast to float64 and back, TopK, GatherElements). (1.16.3 has no gradient of Sum or
-Softplus: those stay out.)
+Softplus: those stay out.) And onnxtrain on its onnxruntime backend (session config entry
+``onnxtrain.backend``: a step as two graphs, session_halves, and the flat update), which
+test_legacy_ort116_numerics runs on the numpy engine only: its cases that 1.16.3 runs right step the same.
 """
 
 from __future__ import annotations
@@ -199,3 +201,31 @@ def test_more_gradient_rules_step_as_1_16_3s(op_traces: dict, name: str) -> None
     peer, ours = op_traces[name]
     _compare(name, peer, ours)
     assert len(peer.state) == 3 and peer.state[2]  # (three steps compared)
+
+
+# test_legacy_ort116_numerics' cases 1.16.3 refuses or gets wrong (its own tests say which), and those whose
+# comparison there is not step by step
+_NOT_STEPWISE = {"peer_prepacked", "peer_default_order", "peer_nchwc", "lamb", "sgd_accumulation",
+                 "adam_accumulation", "sgd_mixed_precision", "adam_mixed_precision", "vector_loss",
+                 "small_bias",
+                 "adam_fp16_moments", "adam_clip_gpu_semantics", "dropout_training_mode_false",
+                 "cnn_bn_running_statistics", "adam_mse_opset9"}
+
+
+@pytest.fixture(scope="module")
+def backend_traces() -> dict:
+    from tests.session import test_legacy_ort116_numerics as numerics
+
+    cases = {k: c for k, c in numerics._cases().items() if k not in _NOT_STEPWISE}
+    for c in cases.values():
+        c.ours_config = {"onnxtrain.backend": "onnxruntime"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peer, ours = run_cases(list(cases.values()))
+    return dict(zip(cases, zip(peer, ours)))
+
+
+def test_the_onnxruntime_backend_steps_as_1_16_3s(backend_traces: dict) -> None:
+    assert len(backend_traces) >= 40
+    for name, (peer, ours) in backend_traces.items():
+        _compare(name, peer, ours)
