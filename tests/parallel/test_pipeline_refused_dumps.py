@@ -1,11 +1,11 @@
-"""A pipeline session refused for its optimizer maps writes no file: its stage dumps
-(model_after_graph_transforms_path, model_with_gradient_graph_path, model_with_training_graph_path and
-SessionOptions.optimized_model_filepath, each as ``<root>.stage<k>.onnx``) come after the maps are checked,
-as one process's session writes its dumps only once they are (TrainingSession._build). A map entry at fault
-for a weight of one stage refuses the session on every rank, as one process refuses the whole model: a rank
-that took it would go on to run alone. (onnxruntime-training 1.16.3 itself wrote its gradient dump before
-refusing a missing map entry, and both dumps before refusing a do_bias_correction of 2: onnxtrain's sessions
-check first.)"""
+"""A pipeline session refused for its optimizer maps or its initial optimizer state writes no file: its stage
+dumps (model_after_graph_transforms_path, model_with_gradient_graph_path, model_with_training_graph_path and
+SessionOptions.optimized_model_filepath, each as ``<root>.stage<k>.onnx``) come after both are checked, as one
+process's session writes its dumps only once they are (TrainingSession._build). A map entry or an initial
+state at fault for a weight of one stage refuses the session on every rank, as one process refuses the whole
+model: a rank that took it would go on to run alone. (onnxruntime-training 1.16.3 itself wrote its gradient
+dump before refusing a missing map entry, and both dumps before refusing a do_bias_correction of 2:
+onnxtrain's sessions check first.)"""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ REFUSED = {
     "no_entry_for_stage_1s_weight": ["ValueError", "optimizer_attributes_map has no entry", "'G'"],
     "int_attribute_in_the_float_map": ["InvalidGraph", "'do_bias_correction' of weight 'W'",
                                        "optimizer_int_attributes_map"],
+    "initial_state_key_unknown_for_stage_1s_weight": ["ValueError", "set_optimizer_initial_state",
+                                                      "'Moment_3'", "'G'"],
+    "initial_state_of_another_shape_for_stage_1s_weight": ["ValueError", "Moment_1_G", "[12]", "[5]"],
+    "initial_state_count_of_another_type_for_stage_0s_weight": ["TypeError", "Update_Count_W", "int64",
+                                                                "int32"],
 }
 
 
@@ -51,7 +56,9 @@ def test_a_refused_pipeline_session_writes_no_dump(outcome: dict, case: str) -> 
 @pytest.mark.mpi
 def test_the_control_writes_every_stages_dumps(outcome: dict) -> None:
     """The same maps without a fault: both ranks make their sessions, each writes its stage's four dumps."""
+    for case in ("control", "initial_state_control"):
+        assert outcome[case]["refusals"] == [None, None], (case, outcome[case]["refusals"])
+        assert outcome[case]["files"] == outcome["control"]["files"], case
     got = outcome["control"]
-    assert got["refusals"] == [None, None]
     assert got["files"] == sorted(f"{root}.stage{k}.onnx" for root in ("gradient", "optimized", "training",
                                                                       "transformed") for k in (0, 1))
