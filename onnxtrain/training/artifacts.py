@@ -164,6 +164,14 @@ class OptimType(enum.Enum):
 def _loss_block(loss: LossType | onnxblock.Block | None) -> onnxblock.Block:
     if loss is None:
         return onnxblock.blocks.PassThrough()
+    if isinstance(loss, onnxblock.TrainingBlock):
+        # (its call would build a second gradient graph inside the one built here; onnxruntime-training's
+        # artifacts of one fail to generate or to load)
+        raise ArtifactError(
+            f"loss: {type(loss).__name__} is a TrainingBlock, which builds a training model of its own; "
+            "generate_artifacts builds the training model around the loss, so pass the loss as a plain "
+            "onnxblock.Block (the same build, subclassing onnxblock.Block)"
+        )
     if isinstance(loss, onnxblock.Block):
         return loss
     if isinstance(loss, LossType):
