@@ -34,6 +34,7 @@ from onnxtrain.inference import (
 from onnxtrain.ir.builder import NameGen, loadable_model, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
+from onnxtrain.optim.base import WeightSlot
 from onnxtrain.parallel import (
     BucketReducer,
     Communicator,
@@ -365,6 +366,37 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                         "possibly {})"
                     )
         opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
+
+    def _check_initial_state(self, model: onnx.ModelProto, trainable: list[str], shapes: bool = True) -> None:
+        """Refuse, on every rank and before anything is built, an initial optimizer state that one process's
+        session refuses for any weight the model trains: a key the optimizer keeps nothing under and, with
+        ``shapes`` (a session holding whole weights, whose state is given whole), a value of another shape,
+        or of a type that does not cast to the state's without loss. A rank applies the state of the weights
+        it holds only, so another rank would go on alone (a horizontally split session's load_state also
+        skips names it does not hold)."""
+        initial = self._params.optimizer_initial_state()
+        if not initial:
+            return
+        inits = {t.name: t for t in model.graph.initializer}
+        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
+        specs = {(sp.weight or "shared_optimizer_state", sp.key): sp for sp in self._opt.state(slots)}
+        for w, d in initial.items():
+            if w != "shared_optimizer_state" and w not in trainable:
+                continue  # (one process warns about it and goes on)
+            for key, v in d.items():
+                sp = specs.get((w, key))
+                if sp is None:
+                    raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
+                if not shapes:
+                    continue
+                arr, kept = np.asarray(v), sp.initial
+                if arr.shape != kept.shape:
+                    raise ValueError(
+                        f"state {sp.name!r}: expected shape {list(kept.shape)}, got {list(arr.shape)}")
+                lossless = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(kept.dtype, np.floating)
+                            and np.can_cast(arr.dtype, kept.dtype, "safe"))
+                if arr.dtype != kept.dtype and not lossless:
+                    raise TypeError(f"state {sp.name!r}: expected dtype {kept.dtype}, got {arr.dtype}")
 
     def _trained(self) -> list[str]:
         """The trained weights this rank holds (by the names it holds them under)."""

@@ -47,7 +47,6 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.ir.io import save_dump
 from onnxtrain.optim import get_optimizer
-from onnxtrain.optim.base import WeightSlot
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
@@ -145,34 +144,6 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                       missing_folder=missing_folder)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
-
-    def _check_initial_state(self, model: onnx.ModelProto, trainable: list[str]) -> None:
-        """Refuse, on every rank and before anything is built, an initial optimizer state that one process's
-        session refuses for any weight the model trains (a key the optimizer keeps nothing under, a value of
-        another shape, or of a type that does not cast to the state's without loss): each stage applies the
-        state of its own weights only (_apply_initial_optimizer_state), so a rank whose stage holds no such
-        weight would go on alone."""
-        initial = self._params.optimizer_initial_state()
-        if not initial:
-            return
-        inits = {t.name: t for t in model.graph.initializer}
-        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
-        specs = {(sp.weight or "shared_optimizer_state", sp.key): sp for sp in self._opt.state(slots)}
-        for w, d in initial.items():
-            if w != "shared_optimizer_state" and w not in trainable:
-                continue  # (one process warns about it and goes on)
-            for key, v in d.items():
-                sp = specs.get((w, key))
-                if sp is None:
-                    raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
-                arr, kept = np.asarray(v), sp.initial
-                if arr.shape != kept.shape:
-                    raise ValueError(
-                        f"state {sp.name!r}: expected shape {list(kept.shape)}, got {list(arr.shape)}")
-                lossless = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(kept.dtype, np.floating)
-                            and np.can_cast(arr.dtype, kept.dtype, "safe"))
-                if arr.dtype != kept.dtype and not lossless:
-                    raise TypeError(f"state {sp.name!r}: expected dtype {kept.dtype}, got {arr.dtype}")
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
