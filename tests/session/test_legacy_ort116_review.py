@@ -13,6 +13,12 @@ outputs, get_state() and get_optimizer_state() are compared to float32 rounding
   refuses it when the session is made, a ``RuntimeException``; onnxtrain refused it as a ``Fail`` (and a
   ValueError), so a ported ``except RuntimeException`` missed it. It is now both: an instance of 1.16.3's
   class, by name, as tests/session/test_legacy_ort116_surface.py compares every refusal.
+* A ``lr_params_feed_name`` that names a value the training graph computes (``global_gradient_norm``, a
+  gradient ``W1_grad``, an update's output ``W1_SGD_out``): 1.16.3 refuses the session ("Duplicate
+  definition of name", a Fail). onnxtrain checked the name against the user's model only, so it built a
+  graph with two definitions of the name and trained with the wrong learning rate (the global norm in its
+  place: SGD steps 16 times too large here) or failed in the run. Names the session adds only in other
+  configurations (``loss_scale``, ``Group_Accumulated_Gradients``) stay free, as there.
 
 Checked and found to agree (kept as comparisons): SGD steps through gradient rules that
 test_legacy_ort116_numerics does not reach (Gather with repeated indices, Greater/Where, Clip, Slice, Split,
@@ -52,6 +58,17 @@ def _params(opt: str, wanted: set[str], **kw) -> dict:
 
 
 SWITCHES = {"do_bias_correction": 2, "weight_decay_mode": 2}
+# learning-rate feed names: (optimizer, gradients as outputs, name, refused)
+LR_NAMES = {
+    "lr_global_norm_sgd": ("SGDOptimizer", False, "global_gradient_norm", True),
+    "lr_global_norm_adam": ("AdamOptimizer", False, "global_gradient_norm", True),
+    "lr_a_gradient": ("SGDOptimizer", False, "W1_grad", True),
+    "lr_a_gradient_output": ("SGDOptimizer", True, "W1_grad", True),
+    "lr_an_update_output_sgd": ("SGDOptimizer", False, "W1_SGD_out", True),
+    "lr_an_update_output_adam": ("AdamOptimizer", False, "W1_Adam_out", True),
+    "lr_loss_scale": ("SGDOptimizer", False, "loss_scale", False),
+    "lr_group_output": ("AdamOptimizer", False, "Group_Accumulated_Gradients", False),
+}
 
 CASES = {
     "sgd_unused_name_only": (_with_unused, "SGDOptimizer", {"unused"}),
@@ -65,6 +82,12 @@ def traces() -> dict:
     cases = {name: Case(model(), _params(opt, wanted), [Step(f) for f in mlp_feeds(3, LRS)],
                         ours=CPU_ADAM if opt == "AdamOptimizer" else {})
              for name, (model, opt, wanted) in CASES.items()}
+    for key, (opt, grads, lr, _) in LR_NAMES.items():
+        feeds = [{**{k: v for k, v in f.items() if k != "Learning_Rate"}, lr: f["Learning_Rate"]}
+                 for f in mlp_feeds(3, LRS)]
+        cases[key] = Case(mlp(), _params(opt, set(MLP_WEIGHTS), lr_params_feed_name=lr,
+                                         set_gradients_as_graph_outputs=grads), [Step(f) for f in feeds],
+                          ours=CPU_ADAM if opt == "AdamOptimizer" else {})
     for key, value in SWITCHES.items():
         p = _params("AdamOptimizer", set(MLP_WEIGHTS))
         p["optimizer_int_attributes_map"] = {**p["optimizer_int_attributes_map"], "W2": {key: value}}
@@ -229,3 +252,17 @@ def test_the_onnxruntime_backend_steps_as_1_16_3s(backend_traces: dict) -> None:
     assert len(backend_traces) >= 40
     for name, (peer, ours) in backend_traces.items():
         _compare(name, peer, ours)
+
+
+@pytest.mark.parametrize("case", sorted(LR_NAMES))
+def test_a_learning_rate_feed_named_like_a_value_of_the_training_graph_is_refused(traces: dict,
+                                                                                   case: str) -> None:
+    peer, ours = traces[case]
+    name, refused = LR_NAMES[case][2], LR_NAMES[case][3]
+    if not refused:  # (a name the session adds in other configurations only: free, as in 1.16.3)
+        _compare(case, peer, ours)
+        return
+    assert peer.error is not None and f"Duplicate definition of name ({name})" in peer.error, peer.error
+    assert ours.error is not None, f"{case}: onnxtrain made the session"
+    assert ours.error.startswith("FailValueError"), ours.error  # (a Fail, as 1.16.3's)
+    assert f"lr_params_feed_name {name!r}" in ours.error and "training graph" in ours.error, ours.error
