@@ -704,6 +704,8 @@ def build_step_graphs(
         return _finish(w.nodes, grad, inputs, outputs, "training_graph"), upd, extras
 
     full, full_upd, extras = compose(update=True)
+    if opt is not None:
+        _check_learning_rate_clash(full.graph, p.lr_params_feed_name)
     acc_model, acc_upd = None, {}
     if steps > 1 and opt is not None:
         acc_model, acc_upd, _ = compose(update=False)
@@ -776,6 +778,22 @@ def _check_learning_rate_name(graph: onnx.GraphProto, name: str) -> None:
                 else "an initializer of that name")
         raise ValueError(f"lr_params_feed_name {name!r} names a value of the model ({what}); name the "
                          "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
+
+
+def _check_learning_rate_clash(graph: onnx.GraphProto, name: str) -> None:
+    """Refuse a learning-rate feed ``name`` that the training graph defines besides that input: a value the
+    session computes (the global norm, a gradient, an update's output) or state it keeps under that name.
+    (:func:`_check_learning_rate_name` checked the user's model; onnxruntime-training 1.16.3 refused such
+    a name as it resolved the graph, "Duplicate definition of name".)"""
+    writer = next((n for n in graph.node if name in n.output), None)
+    inputs = sum(i.name == name for i in graph.input)
+    if writer is None and inputs < 2 and name not in {t.name for t in graph.initializer}:
+        return
+    what = (f"node {writer.name!r} ({writer.op_type}) computes it" if writer is not None
+            else "the session keeps state of that name")
+    raise ValueError(f"lr_params_feed_name {name!r} names a value of the training graph the session builds "
+                     f"({what}); name the learning-rate feed otherwise (TrainingParameters."
+                     "lr_params_feed_name)")
 
 
 def _add_learning_rate_input(inputs: list[onnx.ValueInfoProto], name: str) -> None:
