@@ -46,14 +46,24 @@ class BucketReducer:
         for a, v in zip(arrays, self.views):
             if np.shape(a) != v.shape:
                 raise ValueError(f"gradient of shape {list(np.shape(a))} where {list(v.shape)} was expected")
-            if scale == 1.0:
-                np.copyto(v, a, casting="same_kind")
-            else:
-                np.multiply(a, v.dtype.type(scale), out=v, casting="same_kind")
+            scale_into(a, scale, v)
         for k, c in enumerate(self.chunks):
             self.comm.allreduce_(c, f"gradient allreduce (bucket {k + 1} of {len(self.chunks)}, "
                                     f"{c.nbytes} bytes)")
         return self.views
+
+
+def scale_into(a: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
+    """``out[...] = a · scale``, rounded once to ``out``'s type: the factor is taken in float32 (float64 for
+    float64), not in a half type, where 1/3 or 1/6 (the 1/(N·D) of three accumulation steps or ranks) is 0.2 %
+    off in bfloat16 and 0.02 % in float16, a bias of every gradient (one process scales its float32
+    accumulation buffers in float32)."""
+    if scale == 1.0:
+        np.copyto(out, a, casting="same_kind")
+    else:
+        factor = np.float64(scale) if out.dtype == np.float64 else np.float32(scale)
+        np.multiply(a, factor, out=out, casting="same_kind")
+    return out
 
 
 _REDUCERS: dict[tuple, BucketReducer] = {}

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.parallel.buckets import scale_into
+
 ALIGN_PER_RANK = 32
 
 
@@ -82,11 +84,7 @@ class ZeroLayout:
         """Write every weight-shaped array (times ``scale``) at its offset in ``out`` (length ``padded``)."""
         for w in self.names:
             o, n = self.offsets[w], self.numel[w]
-            dst = out[o:o + n].reshape(self.shapes[w])
-            if scale == 1.0:
-                np.copyto(dst, arrays[w], casting="same_kind")
-            else:
-                np.multiply(arrays[w], out.dtype.type(scale), out=dst, casting="same_kind")
+            scale_into(arrays[w], scale, out[o:o + n].reshape(self.shapes[w]))
         return out
 
     def unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:

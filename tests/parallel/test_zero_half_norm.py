@@ -54,8 +54,8 @@ def model(dtype: str) -> bytes:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def batch(dtype: str) -> np.ndarray:
-    x = 1000 + np.random.default_rng(1).standard_normal((16, K)) * 30
+def batch(dtype: str, rows: int = 16) -> np.ndarray:
+    x = 1000 + np.random.default_rng(1).standard_normal((rows, K)) * 30
     return x.astype(HALF[dtype][0])
 
 
