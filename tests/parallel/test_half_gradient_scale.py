@@ -96,10 +96,11 @@ for dtype in ("float16", "bfloat16"):
     p.optimizer_attributes_map = {{"W": {{"max_norm_clip": 1.0}}}}
     p.gradient_accumulation_steps = {accum}
     p.gradient_accumulation_mode = "auto"
+    p.enable_adasum = {adasum}
     sess = TrainingSession(model(dtype), p)
     x = batch(dtype, 8 * {accum})
-    for k in range({accum}):  # micro-batches of 8 rows, 4 a rank
-        micro = x[8 * k + 4 * rank:8 * k + 4 * rank + 4]
+    for k in range({accum}):  # micro-batches of 8 rows, 4 a rank (under Adasum all 8 on each rank)
+        micro = x[8 * k:8 * k + 8] if {adasum} else x[8 * k + 4 * rank:8 * k + 4 * rank + 4]
         fetch = ["loss", "global_gradient_norm"] if k == {accum} - 1 else ["loss"]
         got = sess.run(fetch, {{"x": micro, "Learning_Rate": np.array([0.01], np.float32)}})
     out[dtype] = np.asarray(got[1], np.float64).reshape(-1)
@@ -107,12 +108,9 @@ np.savez({folder!r} + f"/rank{{rank}}.npz", **out)
 """
 
 
-@pytest.mark.mpi
-def test_allreduce_norm_of_half_gradients_over_three_accumulation_steps(tmp_path) -> None:
-    """2 ranks × 3 accumulation steps (a factor of 1/6): the fetched norm of the averaged gradients is the
-    float64 oracle's to 1e-4 for float16 (it was 2.6e-4 below) and 6e-4 for bfloat16 (1.9e-3 above)."""
+def _norms_over_two_ranks(tmp_path, adasum: bool) -> None:
     script = tmp_path / "half_scale.py"
-    script.write_text(SCRIPT.format(root=ROOT, folder=str(tmp_path), accum=ACCUM))
+    script.write_text(SCRIPT.format(root=ROOT, folder=str(tmp_path), accum=ACCUM, adasum=adasum))
     proc = run_mpi(worker=str(script), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for dtype in ("float16", "bfloat16"):
@@ -123,6 +121,24 @@ def test_allreduce_norm_of_half_gradients_over_three_accumulation_steps(tmp_path
             # 1.4e-4 off here; the biased factor was 1.9e-3)
             np.testing.assert_allclose(got, want, rtol=1e-4 if dtype == "float16" else 6e-4,
                                        err_msg=f"{dtype}, rank {r}")
+
+
+@pytest.mark.mpi
+def test_allreduce_norm_of_half_gradients_over_three_accumulation_steps(tmp_path) -> None:
+    """2 ranks × 3 accumulation steps (a factor of 1/6): the fetched norm of the averaged gradients is the
+    float64 oracle's to 1e-4 for float16 (it was 1.7e-4 below) and 6e-4 for bfloat16 (1.9e-3 above)."""
+    _norms_over_two_ranks(tmp_path, adasum=False)
+
+
+@pytest.mark.mpi
+@pytest.mark.xfail(strict=True, reason=(
+    "DataParallelSteps._exchange_and_update (onnxtrain/session_parallel.py) averages an Adasum rank's "
+    "accumulated half gradients with the factor 1/steps cast to their type (gr.dtype.type(1.0 / n)): "
+    "bfloat16(1/3) is 0.2 % high; it should multiply by a float32 factor (parallel.buckets.scale_into)"))
+def test_adasum_norm_of_half_gradients_over_three_accumulation_steps(tmp_path) -> None:
+    """Adasum, each rank on the whole micro-batches, 3 accumulation steps: each rank's norm (its own, which it
+    clips by) is one process's, the float64 oracle's (bfloat16 was 1.9e-3 above it)."""
+    _norms_over_two_ranks(tmp_path, adasum=True)
 
 
 def test_model_of_the_mpi_case_builds() -> None:
