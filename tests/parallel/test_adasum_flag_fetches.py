@@ -5,7 +5,7 @@ it, "not computed on a gradient-accumulation micro-step") and count no micro-ste
 repeated without it. It raised a bare KeyError: 'adasum_all_deltas_finite' from the graph pruning
 (model_for_outputs), which names neither the cause nor the run kind. A loop fetching the same list on every
 run in the "auto" accumulation mode (loss, all_gradients_finite, adasum_all_deltas_finite) stopped at its
-first micro-step.
+first micro-step, and ``run(None, feeds)`` (every output) failed on every run, the micro-step never counted.
 
 The control: all_gradients_finite on the same micro-step is computed (the accumulated gradients' flag)."""
 
@@ -48,6 +48,15 @@ for i, (x, y) in enumerate(batches(2, 16, din=10)):
     else:
         got["update"] = [bool(np.asarray(v).all()) for v in
                          sess.run(["adasum_all_deltas_finite", "all_gradients_finite"], feeds)]
+sess = TrainingSession(mlp_model(din=10).SerializeToString(), params("AdamOptimizer", **kw))
+got["outputs"] = len(sess.get_outputs())
+for i, (x, y) in enumerate(batches(2, 16, din=10)):  # every output (output_names None), each run
+    feeds = {{"x": split_batch(x), "y": split_batch(y), "Learning_Rate": np.array([0.01], np.float32),
+              sess.loss_scale_input_name: np.array([8.0], np.float32)}}
+    try:
+        got[f"all outputs {{i}}"] = len(sess.run(None, feeds))
+    except Exception as e:  # noqa: BLE001
+        got[f"all outputs {{i}}"] = type(e).__name__ + ": " + str(e)
 with open({folder!r} + f"/rank{{rank}}.json", "w") as fh:
     json.dump(got, fh)
 """
@@ -84,3 +93,17 @@ def test_adasum_deltas_flag_off_an_update_step_is_refused_by_name(ranks, label: 
         msg = got[label]
         assert msg.startswith("ValueError") and "adasum_all_deltas_finite" in msg, (r, msg)
         assert "micro-step" in msg, (r, msg)
+
+
+@pytest.mark.mpi
+@pytest.mark.xfail(strict=True, reason=(
+    "the same (onnxtrain/session.py): run(None, feeds) asks for every output, adasum_all_deltas_finite "
+    "among them, so each micro-step raised the KeyError, it counted none, and no run of such a session went "
+    "through; a micro-step should leave the flag out of 'every output' as it leaves out what it does not "
+    "compute"))
+def test_every_output_of_each_run(ranks) -> None:
+    """``run(None, feeds)``: the micro-step returns every output but the deltas' flag, the update all of them
+    (an allreduce session of the same options returned its 5 on both runs)."""
+    for r, got in enumerate(ranks):
+        assert got["all outputs 0"] == got["outputs"] - 1, (r, got["all outputs 0"])
+        assert got["all outputs 1"] == got["outputs"], (r, got["all outputs 1"])
