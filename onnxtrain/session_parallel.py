@@ -20,6 +20,7 @@ from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
+from onnxtrain.parallel.buckets import scale_into
 from onnxtrain.parallel.fingerprint import array_digest, canonical, check_same_scalars, digest
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
@@ -105,7 +106,7 @@ class DataParallelSteps:
             eff = self._reducer.reduce(grads, self._grad_scale)
         else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
             n = self._params.gradient_accumulation_steps
-            eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
+            eff = grads if n == 1 else [scale_into(gr, 1.0 / n, np.empty_like(gr)) for gr in grads]
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
         ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": v for w, v in zip(g.trainable, eff)})
         extra = [n for n in wanted if n in up.output_info]
@@ -164,9 +165,8 @@ class DataParallelSteps:
         )
         self._check_same_update_feeds(feeds)  # each owner updates its share with its own feeds
         own64 = own.astype(np.float64)
-        norm = np.asarray(
-            np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")), own.dtype
-        )
+        total = comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")
+        norm = np.asarray(np.sqrt(total), self._norm_dtype)  # (not a half type: float16 overflows past 65504)
         wflat = np.zeros(z.padded, own.dtype)
         if z.pieces:
             up = self._get_plan("zero_update")

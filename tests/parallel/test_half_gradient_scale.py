@@ -131,10 +131,6 @@ def test_allreduce_norm_of_half_gradients_over_three_accumulation_steps(tmp_path
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason=(
-    "DataParallelSteps._exchange_and_update (onnxtrain/session_parallel.py) averages an Adasum rank's "
-    "accumulated half gradients with the factor 1/steps cast to their type (gr.dtype.type(1.0 / n)): "
-    "bfloat16(1/3) is 0.2 % high; it should multiply by a float32 factor (parallel.buckets.scale_into)"))
 def test_adasum_norm_of_half_gradients_over_three_accumulation_steps(tmp_path) -> None:
     """Adasum, each rank on the whole micro-batches, 3 accumulation steps: each rank's norm (its own, which it
     clips by) is one process's, the float64 oracle's (bfloat16 was 1.9e-3 above it)."""

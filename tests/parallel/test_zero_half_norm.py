@@ -102,10 +102,6 @@ def test_allreduce_fetches_the_float32_norm_of_half_gradients(ranks, dtype: str)
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="DataParallelSteps._zero_step (onnxtrain/session_parallel.py) casts "
-                   "the norm it sums over the ranks to the gradients' dtype (own.dtype) before the update: a "
-                   "half model's norm is rounded to float16/bfloat16 (inf above 65504); it should take "
-                   "self._norm_dtype, as the allreduce path and the fetches' path do")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_zero_fetches_and_clips_by_the_float32_norm_of_half_gradients(ranks, dtype: str) -> None:
     want = _oracle_norm(dtype)
