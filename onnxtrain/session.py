@@ -277,10 +277,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._specs = list(g.state_specs)
         self._zero: ZeroLayout | None = None
         self._extra_models: dict[str, onnx.ModelProto] = {}
-        if self._dp is not None:
+        if self._dp is not None and self._opt is not None:  # (without an optimizer nothing is exchanged: a
+            # rank may make such a session alone, to read its gradients)
             check_same_on_all_ranks(self._dp.comm, fingerprint(model, g, p), "model and training setup")
-            if self._opt is not None:
-                self._setup_data_parallel()
+            self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
         unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}  # (see self._outputs below)

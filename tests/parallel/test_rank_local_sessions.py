@@ -53,10 +53,6 @@ def batch() -> np.ndarray:
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason=(
-    "TrainingSession.__init__ (onnxtrain/session.py) runs check_same_on_all_ranks, a collective, for a "
-    "session without an optimizer too; it should skip data parallelism there (no update, nothing "
-    "exchanged), e.g. check the setup and set up the exchange only when self._opt is not None"))
 def test_one_rank_alone_reads_gradients_from_a_session_without_optimizer(tmp_path) -> None:
     script = tmp_path / "rank0_only.py"
     script.write_text(SCRIPT.format(root=ROOT, folder=str(tmp_path)))
