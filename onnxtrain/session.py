@@ -522,6 +522,12 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         path = kind in ("gradients", "micro-path")
         # under data parallelism the norm and the finiteness flag on the fetches' path are the ranks' (their
         # averaged gradients'), as in the step: the plan also returns what the rank's norm is taken from
+        if path and ALL_DELTAS_FINITE in names:  # (the Adasum exchange's, made by an update step alone)
+            if output_names is not None:
+                raise ValueError(f"output {ALL_DELTAS_FINITE!r} is not computed on a gradient-accumulation "
+                                 "micro-step or a run of the fetches' path alone: only an update step "
+                                 "combines the ranks' deltas")
+            names = [n for n in names if n != ALL_DELTAS_FINITE]
         sources = [s for s in self._path_norm_sources(names) if s not in names] if path else []
         if path:
             plan = self._path_plan(names, sources)

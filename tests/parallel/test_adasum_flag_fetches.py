@@ -82,11 +82,6 @@ def test_the_flags_of_an_update_step_and_the_control(ranks) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason=(
-    "TrainingSession._run_step (onnxtrain/session.py) prunes the step graph for the fetches of a micro-step "
-    "or a path run (_path_plan, model_for_outputs) before checking them: adasum_all_deltas_finite, which the "
-    "Adasum exchange adds and the graph does not hold, raises a bare KeyError there; it should be refused "
-    "first with the ValueError the session gives for outputs a micro-step does not compute"))
 @pytest.mark.parametrize("label", ["micro-step", "path"])
 def test_adasum_deltas_flag_off_an_update_step_is_refused_by_name(ranks, label: str) -> None:
     for r, got in enumerate(ranks):
@@ -96,11 +91,6 @@ def test_adasum_deltas_flag_off_an_update_step_is_refused_by_name(ranks, label: 
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason=(
-    "the same (onnxtrain/session.py): run(None, feeds) asks for every output, adasum_all_deltas_finite "
-    "among them, so each micro-step raised the KeyError, it counted none, and no run of such a session went "
-    "through; a micro-step should leave the flag out of 'every output' as it leaves out what it does not "
-    "compute"))
 def test_every_output_of_each_run(ranks) -> None:
     """``run(None, feeds)``: the micro-step returns every output but the deltas' flag, the update all of them
     (an allreduce session of the same options returned its 5 on both runs)."""
