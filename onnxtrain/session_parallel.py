@@ -74,9 +74,9 @@ class DataParallelSteps:
         local_names = [n for n in names if n in gp.output_info]
         res = gp.run(self._feeds_of(gp, feeds), local_names + self._grad_outputs + [o for _, o in bn_items])
         got = dict(zip(local_names, res))
+        # (the sums of half gradients are float32: they reach the weight's type in the exchange's scaling,
+        # rounded once, as one process's mean of its float32 buffers)
         grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
-        # the sums of half gradients are float32: the exchange and the update take the weight's type
-        grads = [a.astype(store[w].dtype, copy=False) for a, w in zip(grads, g.trainable)]
         for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
             if not empty_run(feeds):  # this rank's part of the batch is empty: its statistics stay
                 store[stat] = v
@@ -106,7 +106,9 @@ class DataParallelSteps:
             eff = self._reducer.reduce(grads, self._grad_scale)
         else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
             n = self._params.gradient_accumulation_steps
-            eff = grads if n == 1 else [scale_into(gr, 1.0 / n, np.empty_like(gr)) for gr in grads]
+            eff = [gr.astype(store[w].dtype, copy=False) if n == 1
+                   else scale_into(gr, 1.0 / n, np.empty(gr.shape, store[w].dtype))
+                   for gr, w in zip(grads, g.trainable)]
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
         ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": v for w, v in zip(g.trainable, eff)})
         extra = [n for n in wanted if n in up.output_info]
