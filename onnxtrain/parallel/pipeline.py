@@ -6,12 +6,12 @@ later stage) or ``tensor-consumer1/consumer2`` (only those consumers do; a consu
 its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at tensor ``12``;
 ``"11,15"`` in three.
 
-A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
-inputs, initializers or other such nodes (a ``Constant``, an ``Identity`` of a weight, a label's
-preprocessing), draws no random values and keeps no running statistics runs in every stage that reads it
-other than across a cut, instead of its values being sent. :func:`partition` checks that every stage has
-nodes, that each cut's tensors are computed in the stage the cut ends and that the loss is computed in the
-last stage.
+A node's stage is the highest stage of what it reads (its inputs and the outer values its bodies capture),
+plus one across a cut edge. A node that reads only graph inputs, initializers or other such nodes (a
+``Constant``, an ``Identity`` of a weight, a label's preprocessing), draws no random values and keeps no
+running statistics runs in every stage that reads it other than across a cut, instead of its values being
+sent. :func:`partition` checks that every stage has nodes, that each cut's tensors are computed in the stage
+the cut ends and that the loss is computed in the last stage.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm
+from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm, node_reads
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,11 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
     nodes = list(model.graph.node)
     stages = len(cuts) + 1
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    # what a node reads: its inputs and the outer values its bodies capture (an If's branches)
+    reads = [node_reads(n) for n in nodes]
     readers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in dict.fromkeys(x for x in n.input if x):
+    for k in range(len(nodes)):
+        for i in reads[k]:
             readers.setdefault(i, []).append(k)
     cut_at: dict[tuple[str, int], int] = {}  # (tensor, reading node) → the cut it crosses
     for c, edges in enumerate(cuts):
@@ -118,8 +120,8 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
                 cut_at[(e.tensor, k)] = c
     stage_of = [0] * len(nodes)
     free = [True] * len(nodes)  # reads no tensor a node computed, apart from other free nodes'
-    for k, n in enumerate(nodes):
-        for i in n.input:
+    for k in range(len(nodes)):
+        for i in reads[k]:
             p = producer.get(i)
             if p is None:
                 continue
@@ -133,7 +135,7 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
         k = todo.pop()
         if k not in feeds_cut:
             feeds_cut.add(k)
-            todo.extend(producer[i] for i in nodes[k].input if i in producer)
+            todo.extend(producer[i] for i in reads[k] if i in producer)
     # a free node runs in every stage that reads it other than across a cut (where its tensor is sent),
     # and, when a cut tensor is computed from it, in the stage its inputs put it
     # (not a random node, nor a training-mode BatchNormalization: run twice, they would draw twice or update
