@@ -367,6 +367,30 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                     )
         opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
 
+    def _check_learning_rate(self, model: onnx.ModelProto, trainable: list[str]) -> None:
+        """Refuse, on every rank and before anything is built, a learning-rate feed name that one process's
+        session refuses: a value of the model, or one its graphs define otherwise (the global gradient norm
+        the update graphs read, a trained weight's gradient, the loss's seed gradient, optimizer state;
+        training_graph._check_learning_rate_clash). A stage's graphs hold its own weights' names only, so
+        the stage holding the weight alone refused it, and the other ranks waited for it."""
+        from onnxtrain.training_graph import _check_learning_rate_name
+
+        p = self._params
+        name = p.lr_params_feed_name
+        _check_learning_rate_name(model.graph, name)
+        inits = {t.name: t for t in model.graph.initializer}
+        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
+        defined = {GLOBAL_NORM, f"{p.loss_output_name}_grad", *(f"{w}_grad" for w in trainable),
+                   *(sp.name for sp in self._opt.state(slots))}
+        if p.use_mixed_precision:
+            defined.add(ALL_FINITE)
+        if p.gradient_accumulation_steps > 1:
+            defined.add(GROUP_OUTPUT)
+        if name in defined:
+            raise ValueError(f"lr_params_feed_name {name!r} names a value of the training graph the session "
+                             "builds (a gradient, the global gradient norm or optimizer state); name the "
+                             "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
+
     def _check_initial_state(self, model: onnx.ModelProto, trainable: list[str], shapes: bool = True) -> None:
         """Refuse, on every rank and before anything is built, an initial optimizer state that one process's
         session refuses for any weight the model trains: a key the optimizer keeps nothing under and, with

@@ -121,6 +121,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._model_trained = list(trainable)
         self._check_attribute_maps()  # (before the stage is built and its dumps written)
         self._check_initial_state(model, trainable, shapes=False)  # (its shapes: the shares' or whole)
+        self._check_learning_rate(model, trainable)
         blocks: list = find_mlp_blocks(model, trainable, h)
         taken = {k for b in blocks for k in (*b.entries, b.second)}
         blocks = sorted(
