@@ -201,8 +201,11 @@ def merge_cuts(
     model: onnx.ModelProto, stage_cuts: list[list[CutEdge]], block_cuts: list[list[CutEdge]]
 ) -> list[MergedCut]:
     """The pipeline's cuts and the split's (both on ``model``, the split rank's model) as one list in graph
-    order, for :func:`partition`: a stage cut on the same tensors as a split cut is that cut; one between a
-    block's F and G cuts (inside a split block) is an error naming the cut."""
+    order, for :func:`partition`: a stage cut on the same tensors as a split cut, or on a G cut's tensors and
+    values computed beside the block, is that cut; one on values computed beside a block whose nodes lie
+    between the block's in graph order ends the stage at the block's G cut (the block stays in the earlier
+    stage, as a plain pipeline puts it; the values are sent on); one on a value of the block (between its F
+    and G cuts) is an error naming the cut."""
     producer = {o: k for k, n in enumerate(model.graph.node) for o in n.output if o}
 
     for c, edges in enumerate(stage_cuts):
@@ -216,20 +219,52 @@ def merge_cuts(
     marked += [(max(producer[e.tensor] for e in edges), 1, c, edges) for c, edges in enumerate(stage_cuts)]
     merged: list[MergedCut] = []
     inside: int | None = None  # the F cut of the block being walked
+    deferred: list[int] = []  # a stage cut beside that block: the stage ends at its G cut
     for _, is_stage, j, edges in sorted(marked, key=lambda m: (m[0], m[1])):
-        if is_stage and merged and {*merged[-1].edges} == {*edges} and merged[-1].block_cut is not None:
-            merged[-1] = MergedCut(merged[-1].edges, True, merged[-1].block_cut)
+        last = merged[-1] if merged else None
+        if is_stage and last is not None and last.block_cut is not None and (
+            {*last.edges} == {*edges} or (last.block_cut % 2 and {*last.edges} <= {*edges})
+        ):
+            # on a split cut's tensors (the G cut's, with values computed beside the block): that cut ends
+            # the stage; the other values cross it as any value read later does (sent on)
+            if last.ends_stage:
+                raise ValueError(f"pipeline_cut_info_string: cut {j} ({', '.join(e.tensor for e in edges)}) "
+                                 "ends its stage where the cut before it does: the stage between has no node")
+            merged[-1] = MergedCut(last.edges, True, last.block_cut)
             continue
         if is_stage and inside is not None:
-            entry = model.graph.node[producer[block_cuts[inside][0].tensor]]  # the Identity before the block
-            raise ValueError(
-                f"pipeline_cut_info_string: cut {j} ({', '.join(e.tensor for e in edges)}) falls inside the "
-                f"split block that reads {entry.input[0]!r}: cut before the block or after its output"
-            )
+            block = _block_values(model, producer, block_cuts[inside], block_cuts[inside + 1])
+            hit = [e.tensor for e in edges if e.tensor in block]
+            if hit or deferred:
+                entry = model.graph.node[producer[block_cuts[inside][0].tensor]]  # the Identity before it
+                raise ValueError(
+                    f"pipeline_cut_info_string: cut {j} ({', '.join(e.tensor for e in edges)}) falls inside "
+                    f"the split block that reads {entry.input[0]!r}: cut before the block or after its output"
+                )
+            # values computed beside the block, between its nodes in graph order: the stage ends after it
+            deferred.append(j)
+            continue
         if not is_stage:
             inside = j if j % 2 == 0 else None
+            if j % 2 and deferred:  # the G cut ends the stage; the deferred cut's values are sent on
+                deferred = []
+                merged.append(MergedCut(list(edges), True, j))
+                continue
         merged.append(MergedCut(list(edges), bool(is_stage), None if is_stage else j))
     return merged
+
+
+def _block_values(
+    model: onnx.ModelProto, producer: dict[str, int], f_edges: list[CutEdge], g_edges: list[CutEdge]
+) -> set[str]:
+    """The values of a split block: its F cut's tensor, what nodes up to its G cut's compute from it, and that
+    tensor."""
+    values = {e.tensor for e in f_edges}
+    lo, hi = max(producer[t] for t in values), max(producer[e.tensor] for e in g_edges)
+    for n in model.graph.node[lo + 1:hi + 1]:
+        if any(i in values for i in node_reads(n)):
+            values.update(o for o in n.output if o)
+    return values
 
 
 def _sources(model: onnx.ModelProto) -> set[str]:
