@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm, node_reads
+from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm, node_reads, subgraphs
 
 
 @dataclass(frozen=True)
@@ -138,12 +138,9 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
             todo.extend(producer[i] for i in reads[k] if i in producer)
     # a free node runs in every stage that reads it other than across a cut (where its tensor is sent),
     # and, when a cut tensor is computed from it, in the stage its inputs put it
-    # (not a random node, nor a training-mode BatchNormalization: run twice, they would draw twice or update
-    # their running statistics twice)
-    floating = [
-        k for k in range(len(nodes))
-        if free[k] and nodes[k].op_type not in RANDOM_OPS and not is_training_batch_norm(nodes[k])
-    ]
+    # (not a random node, nor a training-mode BatchNormalization, nor a node whose bodies hold one: run twice,
+    # they would draw twice or update their running statistics twice)
+    floating = [k for k in range(len(nodes)) if free[k] and not _draws_or_keeps(nodes[k])]
     needed: dict[int, set[int]] = {}
     for k in reversed(floating):
         stages_k = {stage_of[k]} if k in feeds_cut else set()
@@ -252,6 +249,14 @@ def merge_cuts(
                 continue
         merged.append(MergedCut(list(edges), bool(is_stage), None if is_stage else j))
     return merged
+
+
+def _draws_or_keeps(node: onnx.NodeProto) -> bool:
+    """Whether ``node``, or a node of its bodies (an If's branches, a Loop's body), draws random values or is
+    a training-mode BatchNormalization."""
+    if node.op_type in RANDOM_OPS or is_training_batch_norm(node):
+        return True
+    return any(_draws_or_keeps(n) for g in subgraphs(node) for n in g.node)
 
 
 def _block_values(
