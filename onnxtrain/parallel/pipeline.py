@@ -217,7 +217,8 @@ def merge_cuts(
     merged: list[MergedCut] = []
     inside: int | None = None  # the F cut of the block being walked
     deferred: list[int] = []  # a stage cut beside that block: the stage ends at its G cut
-    for _, is_stage, j, edges in sorted(marked, key=lambda m: (m[0], m[1])):
+    split_at: int | None = None  # where the last split cut's tensors are computed
+    for position, is_stage, j, edges in sorted(marked, key=lambda m: (m[0], m[1])):
         last = merged[-1] if merged else None
         if is_stage and last is not None and last.block_cut is not None and (
             {*last.edges} == {*edges} or (last.block_cut % 2 and {*last.edges} <= {*edges})
@@ -244,9 +245,15 @@ def merge_cuts(
         if not is_stage:
             inside = j if j % 2 == 0 else None
             if j % 2 and deferred:  # the G cut ends the stage; the deferred cut's values are sent on
-                deferred = []
+                deferred, split_at = [], position
                 merged.append(MergedCut(list(edges), True, j))
                 continue
+        if is_stage and split_at is not None:
+            # values computed before the last split cut (beside its block, in an earlier piece) cross this cut
+            # as any value read later does (sent on); the cut ends the stage at the others
+            edges = [e for e in edges if producer[e.tensor] > split_at]
+        elif not is_stage:
+            split_at = position
         merged.append(MergedCut(list(edges), bool(is_stage), None if is_stage else j))
     return merged
 
