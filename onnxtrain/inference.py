@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,8 +15,6 @@ import onnx
 from onnxtrain.capi.feeds import check_onnxruntime_feed, feed_array, map_feed
 from onnxtrain.capi.node_args import inferred_output_types
 from onnxtrain.capi.options import (
-    ExecutionMode,
-    GraphOptimizationLevel,
     RunOptions,
     SessionOptions,
     resolve_providers,
@@ -42,12 +37,10 @@ from onnxtrain.engine.interface import (
     ProfileEvent,
     Terminated,
     heavy_arrays,
-    load_model,
     without_values,
 )
 from onnxtrain.errors import (
     Fail,
-    FailValueError,
     InvalidArgument,
     InvalidFeed,
     InvalidFeedType,
@@ -57,13 +50,23 @@ from onnxtrain.errors import (
 )
 from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, path_to
-from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
 from onnxtrain.model_config_env import (  # noqa: F401 (the sessions import them from here)
     model_config_asked,
     warn_on_device_model_config,
     warn_unread_model_config,
 )
+from onnxtrain.session_loading import (
+    check_severity,
+    config_entries,
+    load_with_options,
+    optimized_model_data,
+    optimized_model_path,
+    options_from_model,
+    options_snapshot,
+    supplied_arrays,
+)
+from onnxtrain.session_profiling import end_profiling, profile_session_start
 from onnxtrain.user_warning import warn
 
 
@@ -647,7 +650,7 @@ class InferenceSession:
         """The nodes each execution provider runs, one subgraph per node of the CPU provider (the numpy
         engine runs every node itself), when the session config entry
         ``session.record_ep_graph_assignment_info`` is "1"; else a Fail, as onnxruntime's."""
-        if _config(self._sess_options).get(_ASSIGNMENT_ENTRY) != "1":
+        if config_entries(self._sess_options).get(_ASSIGNMENT_ENTRY) != "1":
             raise Fail(f"Session configuration entry '{_ASSIGNMENT_ENTRY}' must be set to \"1\" to retrieve "
                        "EP graph assignment information")
         return [EpAssignedSubgraph("CPUExecutionProvider", (EpAssignedNode(n.domain, n.op_type, n.name),))
@@ -791,307 +794,3 @@ def _cpu_memory_info() -> Any:
     from onnxtrain.capi.allocators import OrtAllocatorType, OrtMemoryInfo, OrtMemType
 
     return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
-
-
-def end_profiling(session: Any, plans: Sequence[GraphInterface]) -> str:
-    """A session's ``end_profiling``: the trace of ``plans``, then no more profiling by them ('' when the
-    session does not profile, or has ended)."""
-    if not session._sess_options.enable_profiling or getattr(session, "_profiling_ended", False):
-        return ""
-    events, session._session_events = session._session_events or [], None
-    try:
-        return write_chrome_trace(plans, session._sess_options.profile_file_prefix, events,
-                                  session._profile_origin)
-    finally:
-        session._profiling_ended = True
-        for plan in plans:
-            plan.profiling = False
-
-
-def profile_session_start(session: Any, begin: int, loaded: int) -> None:
-    """Start a session's own profile events, when its options ask for a profile: the model's loading
-    (``begin`` to ``loaded``, ``perf_counter_ns``) and the session's initialization (from ``loaded`` to
-    now), as onnxruntime's trace begins; each run adds a ``model_run``. Their times count from ``begin``."""
-    session._profile_origin = begin
-    session._session_events = None
-    if session._sess_options.enable_profiling:
-        what = "model_loading_uri" if getattr(session, "_model_path", None) else "model_loading_array"
-        session._session_events = [
-            ProfileEvent(what, "", begin, loaded - begin, cat="Session"),
-            ProfileEvent("session_initialization", "", loaded, time.perf_counter_ns() - loaded,
-                         cat="Session"),
-        ]
-
-
-def optimized_model_path(options: SessionOptions) -> str:
-    """``options.optimized_model_filepath`` ("" when unset), with a warning when it names an ``.ort`` file:
-    onnxruntime wrote its own ORT format there, onnxtrain writes an ONNX model under any name."""
-    path = options.optimized_model_filepath
-    if path.lower().endswith(".ort"):
-        warn(f"SessionOptions.optimized_model_filepath {path!r}: onnxtrain writes an ONNX model (protobuf) "
-             "there, not onnxruntime's ORT format; name it .onnx, or convert it with onnxruntime's "
-             "convert_onnx_models_to_ort")
-    return path
-
-
-# the session config entries that put the optimized model's initializers in a data file, as onnxruntime's do
-_DATA_FILE = "session.optimized_model_external_initializers_file_name"
-_DATA_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"
-
-
-def optimized_model_data(options: Any) -> dict[str, Any]:
-    """How ``optimized_model_filepath`` keeps its initializers: with the config entry
-    ``session.optimized_model_external_initializers_file_name`` (a file name beside the model), those of
-    ``..._min_size_in_bytes`` bytes or more (1024 unless set) in that file, as onnxruntime writes them;
-    without it, in the model."""
-    config = _config(options)
-    name = config.get(_DATA_FILE)
-    if not name:
-        return {}
-    if os.path.basename(name) != name or name in (".", ".."):
-        raise FailValueError(f"session config entry {_DATA_FILE} must be a file name (written beside the "
-                             f"optimized model), got {name!r}")
-    text = config.get(_DATA_MIN_BYTES, "1024")
-    try:
-        threshold = int(text)
-    except ValueError:
-        threshold = -1
-    if threshold < 0:
-        raise FailValueError(f"session config entry {_DATA_MIN_BYTES} must be a whole number of bytes, got "
-                             f"{text!r}")
-    return {"external_data": name, "size_threshold": threshold}
-
-
-def claim_trace_path(prefix: str) -> str:
-    """``<prefix>_<date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
-    empty) so that another session ending its profile in the same millisecond takes the next name
-    (``…_2.json``) instead of overwriting it."""
-    now = datetime.datetime.now()
-    stem = f"{prefix}_{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000:03d}"
-    for k in range(1, 10_000):
-        path = f"{stem}.json" if k == 1 else f"{stem}_{k}.json"
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free profile file name after {stem}_9999.json")
-
-
-def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
-                       session_events: Sequence[ProfileEvent] = (), origin: int | None = None,
-                       path: str | None = None) -> str:
-    """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept) and
-    the session's own (``session_events``: its loading, initialization and runs), in time order, as a
-    chrome-trace file named ``<prefix><timestamp>.json`` (or into ``path``, a name
-    :func:`claim_trace_path` gave earlier); returns the path. Times count from ``origin``
-    (``perf_counter_ns``; default the first event's start). The plans' events are handed over: the next
-    trace holds the runs after this one."""
-    profile = list(session_events)
-    for plan in {id(p): p for p in plans}.values():
-        profile += plan.profile
-        plan.profile.clear()
-        profile += plan.drained_profile()
-    profile.sort(key=lambda e: e.start_ns)
-    path = path or claim_trace_path(prefix)
-    t0 = origin if origin is not None else profile[0].start_ns if profile else 0
-    pid = os.getpid()
-    events = [
-        {"cat": "Session", "pid": pid, "tid": 0, "ph": "X", "name": e.name,
-         "ts": (e.start_ns - t0) / 1000.0, "dur": e.dur_ns / 1000.0, "args": {}}
-        if e.cat == "Session" else
-        {
-            "cat": "Node",
-            "pid": pid,
-            "tid": 0,
-            "ph": "X",
-            "name": f"{e.name}_kernel_time",
-            "ts": (e.start_ns - t0) / 1000.0,
-            "dur": e.dur_ns / 1000.0,
-            "args": {"op_name": e.op, "input_type_shape": e.shapes, "output_type_shape": e.outputs,
-                     "output_size": str(e.output_bytes), "provider": "CPUExecutionProvider",
-                     **({} if e.index is None else {"node_index": str(e.index)}), **e.stats},
-        }
-        for e in profile
-    ]
-    try:
-        # one event a line, as onnxruntime writes its traces (tools that read them line by line)
-        text = "[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n"
-        write_atomic(path, lambda f: f.write(text.encode()))
-    except BaseException:
-        with contextlib.suppress(OSError):  # the empty file that claimed the name
-            os.remove(path)
-        raise
-    return path
-
-
-def options_snapshot(options: Any) -> Any:
-    """The options a session keeps: a copy of onnxtrain's (later changes do not reach the session, as in
-    onnxruntime), new defaults without any; another library's SessionOptions (onnxruntime's) as it is;
-    anything else a TypeError naming the argument, as onnxruntime's constructor refuses it."""
-    if options is None:
-        return SessionOptions()
-    if not isinstance(options, SessionOptions):
-        if not all(hasattr(options, a) for a in ("graph_optimization_level", "intra_op_num_threads")):
-            raise TypeError(f"sess_options must be a SessionOptions, got {type(options).__name__}"
-                            + (" (providers go in the providers argument)" if isinstance(options, list)
-                               else ""))
-        return options
-    check_severity(options.log_severity_level, "SessionOptions")
-    if options.use_per_session_threads is False:
-        warn("SessionOptions.use_per_session_threads = False has no effect: every onnxtrain session has its "
-             "own threads (onnxruntime refuses it unless its environment has global thread pools)")
-    return options.snapshot()
-
-
-_LEVELS = {int(level) for level in GraphOptimizationLevel}
-# the session options a model's "ort_config" metadata may set, as onnxruntime reads them: name → the values
-# taken and how they are stored
-_MODEL_OPTIONS: dict[str, Callable[[int], Any]] = {
-    "intra_op_num_threads": lambda v: v if v >= 0 else None,
-    "inter_op_num_threads": lambda v: v if v >= 0 else None,
-    "execution_mode": lambda v: ExecutionMode(v) if v in (0, 1) else None,
-    "graph_optimization_level": lambda v: GraphOptimizationLevel(v) if v in _LEVELS else None,
-    "enable_profiling": lambda v: bool(v) if v in (0, 1) else None,
-}
-
-
-def options_from_model(options: Any, model: onnx.ModelProto) -> Any:
-    """``options`` with the session options the model's metadata entry ``ort_config`` sets (JSON:
-    ``{"session_options": {"intra_op_num_threads": 2, ...}}``), as onnxruntime applies them when the
-    environment variable ORT_LOAD_CONFIG_FROM_MODEL is 1: the thread counts, ``execution_mode``,
-    ``graph_optimization_level`` and ``enable_profiling``, other keys ignored; a value of another kind, or
-    JSON that does not parse, is an InvalidArgument naming the entry. Another library's options are
-    returned as they are."""
-    text = next((p.value for p in model.metadata_props if p.key == "ort_config"), None)
-    if text is None or not isinstance(options, SessionOptions):
-        return options
-    try:
-        config = json.loads(text)
-    except ValueError as e:
-        raise InvalidArgument(f"the model's metadata entry ort_config is not JSON: {e}") from None
-    given = config.get("session_options", {}) if isinstance(config, dict) else {}
-    for key, value in (given.items() if isinstance(given, dict) else ()):
-        convert = _MODEL_OPTIONS.get(key)
-        if convert is None:
-            continue  # (onnxruntime ignores the session options it does not read from a model)
-        taken = convert(value) if isinstance(value, int) and not isinstance(value, bool) else None
-        if taken is None:
-            raise InvalidArgument(f"the model's metadata entry ort_config sets session_options.{key} to "
-                                  f"{value!r}, which onnxruntime does not take for it")
-        setattr(options, key, taken)
-    return options
-
-
-def check_severity(level: Any, owner: str) -> None:
-    """Refuse a ``log_severity_level`` onnxruntime refuses: −1 (the default logger's) and 0..4 are valid."""
-    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:
-        raise FailValueError(f"{owner}.log_severity_level must be -1 (the default logger's) or 0 (verbose) "
-                             f"to 4 (fatal), got {level!r}")
-
-
-def load_with_options(path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
-                      options: Any) -> onnx.ModelProto:
-    """The model a session of ``options`` runs: loaded (its external data from the folder of config entry
-    ``session.model_external_initializers_file_folder_path`` or from ``add_external_initializers``), with
-    the initializers and free dimensions the options override (:func:`with_option_overrides`)."""
-    folder = _config(options).get("session.model_external_initializers_file_folder_path")
-    supplied = getattr(options, "_initializers", {})
-    in_memory = getattr(options, "_files_in_memory", None)
-    return with_option_overrides(load_model(path_or_bytes, folder, supplied, in_memory), options)
-
-
-def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:
-    """``model`` with the initializers and free dimensions ``options`` override (``add_initializer``,
-    ``add_free_dimension_override_by_name/denotation``, in the inputs' and outputs' declarations; a copy), or
-    ``model`` itself without any. An ``add_initializer`` name the model lacks is skipped, as onnxruntime skips
-    it (one ``SessionOptions`` may hold the weights several models share); an ``add_external_initializers``
-    one is an error, as there."""
-    inits, dims = getattr(options, "_initializers", {}), getattr(options, "_dims", {})
-    if not inits and not dims:
-        return model
-    from onnx import numpy_helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    known = {t.name: t for t in g.initializer}
-    for name, value in inits.items():
-        if name not in known:
-            if name in getattr(options, "_external", ()):  # onnxruntime fails on these, skips the others
-                raise FailValueError(f"add_external_initializers: {name!r} is not an initializer of the "
-                                     f"model ({sorted(known)[:10]})")
-            continue
-        array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-        old = known[name]
-        wanted = onnx.helper.tensor_dtype_to_np_dtype(old.data_type)
-        if list(array.shape) != list(old.dims) or array.dtype != wanted:
-            raise FailValueError(f"add_initializer: {name!r} is {array.dtype}{list(array.shape)}, the "
-                                 f"model's is {wanted}{list(old.dims)}")
-        old.CopyFrom(numpy_helper.from_array(array, name))
-    for v in g.input:
-        _fix_dims(v, dims)
-    if dims:  # the outputs' sizes as inference finds them from the fixed inputs (onnxruntime's resolve),
-        _inferred_output_sizes(out)  # else as the overrides name them
-        for v in g.output:
-            _fix_dims(v, dims)
-    return out
-
-
-def supplied_arrays(model: onnx.ModelProto, options: Any) -> dict[str, np.ndarray]:
-    """The ``add_initializer`` values of ``model``'s initializers as arrays (checked against the model by
-    :func:`with_option_overrides`), for the numpy plan to read in place of copies of its own: the session
-    holds the caller's memory, as onnxruntime does."""
-    names = {t.name for t in model.graph.initializer}
-    out = {}
-    for name, value in getattr(options, "_initializers", {}).items():
-        if name in names:
-            array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            # (np.ascontiguousarray would make a 0-d array [1])
-            out[name] = array if array.flags.c_contiguous else np.array(array, order="C")
-    return out
-
-
-def _fix_dims(v: onnx.ValueInfoProto, dims: Mapping[tuple[str, str], int]) -> None:
-    """Give the dims of ``v`` the overrides name (by symbol or denotation) their sizes, in place."""
-    if v.type.HasField("tensor_type"):
-        for d in v.type.tensor_type.shape.dim:
-            size = dims.get(("name", d.dim_param)) if d.HasField("dim_param") else None
-            size = dims.get(("denotation", d.denotation), size) if d.denotation else size
-            if size is not None:
-                d.dim_value = size
-
-
-def _inferred_output_sizes(model: onnx.ModelProto) -> None:
-    """Give ``model``'s outputs (in place) the sizes ONNX shape inference finds for them, where it finds
-    one; a model inference fails on keeps its declarations."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    # an overridable initializer's value is not known here (below IR version 4 initializers are constants)
-    fed = {i.name for i in probe.graph.input} if model.ir_version >= 4 else set()
-    kept = [t for t in probe.graph.initializer if t.name not in fed]
-    del probe.graph.initializer[:]
-    probe.graph.initializer.extend(kept)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
-    except Exception:  # noqa: BLE001 - the declarations stay as they are
-        return
-    found = {v.name: v for v in inferred.graph.output}
-    for v in model.graph.output:
-        other = found.get(v.name)
-        if other is None or not v.type.HasField("tensor_type") or not other.type.HasField("tensor_type"):
-            continue
-        mine, theirs = v.type.tensor_type.shape.dim, other.type.tensor_type.shape.dim
-        if v.type.tensor_type.HasField("shape") and len(mine) != len(theirs):
-            continue
-        if not v.type.tensor_type.HasField("shape"):
-            v.type.tensor_type.shape.CopyFrom(other.type.tensor_type.shape)
-            continue
-        for d, e in zip(mine, theirs):
-            if e.HasField("dim_value"):
-                d.dim_value = e.dim_value
-
-
-def _config(options: Any) -> dict[str, str]:
-    """The session config entries of ``options`` (onnxtrain's SessionOptions; others: none read)."""
-    return dict(getattr(options, "_config", {}) or {})

@@ -39,13 +39,8 @@ from onnxtrain.inference import (
     InferenceSession,
     ModelMetadata,
     NodeArg,
-    end_profiling,
-    load_with_options,
     metadata_of,
     node_arg,
-    optimized_model_path,
-    options_snapshot,
-    profile_session_start,
     warn_unread_model_config,
 )
 from onnxtrain.interrupts import sigint_deferred
@@ -61,7 +56,9 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_halves import HalfSteps
+from onnxtrain.session_loading import load_with_options, optimized_model_path, options_snapshot
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
+from onnxtrain.session_profiling import end_profiling, profile_session_start
 from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
 from onnxtrain.user_warning import warn
 

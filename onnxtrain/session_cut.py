@@ -24,13 +24,7 @@ from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
-from onnxtrain.inference import (
-    NodeArg,
-    check_feed_shape,
-    load_with_options,
-    node_arg,
-    warn_unread_model_config,
-)
+from onnxtrain.inference import NodeArg, check_feed_shape, node_arg, warn_unread_model_config
 from onnxtrain.ir.builder import NameGen, loadable_model, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
@@ -48,6 +42,7 @@ from onnxtrain.parallel.stage_graphs import NORM as GLOBAL_NORM
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, serialized
 from onnxtrain.session_exchange import ReplicaExchange
+from onnxtrain.session_loading import load_with_options
 from onnxtrain.training_graph import TRAINING_MODE, dropout_mode
 from onnxtrain.user_warning import warn
 

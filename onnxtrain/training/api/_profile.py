@@ -43,8 +43,8 @@ def write_optimized_model(options: Any, model: onnx.ModelProto) -> None:
     onnxruntime-training writes its optimized graph while it is made."""
     if session_option(options, "optimized_model_filepath"):
         from onnxtrain.errors import NoFolderForOutput
-        from onnxtrain.inference import optimized_model_path
         from onnxtrain.ir.io import save_dump
+        from onnxtrain.session_loading import optimized_model_path
 
         save_dump(model, optimized_model_path(options), OPTION, missing_folder=NoFolderForOutput)
 
@@ -76,7 +76,7 @@ class SessionProfile:
     and initialization, its runs and its plans' node events."""
 
     def __init__(self, options: Any, what: str, from_file: bool, loading: tuple[int, int]) -> None:
-        from onnxtrain.inference import claim_trace_path  # (only profiled sessions load the module)
+        from onnxtrain.session_profiling import claim_trace_path  # (only profiled sessions load the module)
 
         self.what = what
         self.ended = False
@@ -113,7 +113,7 @@ class SessionProfile:
         self.ended = True
         for plan in self.plans:
             plan.profiling = False
-        from onnxtrain.inference import write_chrome_trace
+        from onnxtrain.session_profiling import write_chrome_trace
 
         try:
             return write_chrome_trace(self.plans, "", self.events, self.origin, path=self.path)
