@@ -39,6 +39,14 @@ class MicroBatching:
         unknown = sorted(set(p.sliced_tensor_names) - set(inputs))
         if unknown:
             raise ValueError(f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {inputs}")
+        unknown = sorted(set(p.sliced_axes) - set(inputs))
+        if unknown:
+            raise ValueError(f"sliced_axes: {unknown} are not inputs of the model; inputs: {inputs}")
+        declared = {v.name: v.type.tensor_type for v in model.graph.input}
+        for n, axis in p.sliced_axes.items():  # (here, on every rank: a stage may not hold the input)
+            rank = len(declared[n].shape.dim)
+            if declared[n].HasField("shape") and not -rank <= int(axis) < rank:
+                raise ValueError(f"sliced_axes[{n!r}] = {axis} is out of range for its rank {rank}")
         self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in inputs if n in sliced}
         unknown = sorted(set(p.sliced_schema) - set(inputs))
         if unknown:

@@ -68,11 +68,6 @@ def test_the_control_runs_on_both_ranks(outcome: list[dict]) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason=(
-    "onnxtrain/session_stages.py MicroBatching._setup_micro_batches takes sliced_axes without checking it: "
-    "only the stage declaring the input checks its axis (_micro_input); the fix is to refuse there, on every "
-    "rank, a sliced_axes key that is no input and an axis outside the input's declared rank, naming "
-    "sliced_axes"))
 @pytest.mark.parametrize("case,words", [("x_axis_2", ["sliced_axes", "'x'"]),
                                         ("x_axis_minus_3", ["sliced_axes", "'x'"]),
                                         ("y_axis_1", ["sliced_axes", "'y'"]),
