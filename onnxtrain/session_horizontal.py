@@ -278,6 +278,18 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
     def _original(self, name: str) -> str:
         return self._shares.get(name, name)
 
+    def get_model_state(
+        self, include_mixed_precision_weights: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
+        """The rank's weights under the model's names (spec §5.3): a split weight's entry holds its share."""
+        out = super().get_model_state(include_mixed_precision_weights)
+        return {kind: {self._original(w): v for w, v in d.items()} for kind, d in out.items()}
+
+    def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """The rank's optimizer state under the model's weight names (spec §5.4): a split weight's moments
+        are its share's."""
+        return {self._original(w): d for w, d in super().get_optimizer_state().items()}
+
     def _trained(self) -> list[str]:
         return self._trainable
 
