@@ -23,6 +23,11 @@ CASES = {
     "shared_step_for_adam": {"shared_optimizer_state": {"Step": np.array([3], np.int64)}},
     "control": {"W1": {"Update_Count": np.array([3], np.int64),
                        "Moment_1": np.full((16, 8), 0.25, np.float32)}},
+    # a moment of another shape than the weight's (one process refuses it: 'expected shape [16, 8]')
+    "moment_of_twice_the_rows": {"W1": {"Moment_1": np.full((32, 8), 0.25, np.float32)}},
+    "moment_of_twice_the_columns": {"W2": {"Moment_1": np.full((4, 32), 0.25, np.float32)}},
+    # the whole moment: each rank takes its rows (W1's first value on rank 1 is row 8's: 64)
+    "whole_moment": {"W1": {"Moment_1": np.arange(128, dtype=np.float32).reshape(16, 8)}},
 }
 
 
