@@ -362,12 +362,15 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                     )
         opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
 
-    def _check_learning_rate(self, model: onnx.ModelProto, trainable: list[str]) -> None:
+    def _check_learning_rate(self, model: onnx.ModelProto, trainable: list[str],
+                             passed: Sequence[str] = ()) -> None:
         """Refuse, on every rank and before anything is built, a learning-rate feed name that one process's
         session refuses: a value of the model, or one its graphs define otherwise (the global gradient norm
         the update graphs read, a trained weight's gradient, the loss's seed gradient, optimizer state;
         training_graph._check_learning_rate_clash). A stage's graphs hold its own weights' names only, so
-        the stage holding the weight alone refused it, and the other ranks waited for it."""
+        the stage holding the weight alone refused it, and the other ranks waited for it. ``passed``: the
+        tensors a pipeline's stages pass on, whose gradients (of the float ones) its stage graphs take and
+        return as ``<t>_grad`` (the stage that sent ``t`` took the learning-rate feed as t's gradient)."""
         from onnxtrain.training_graph import _check_learning_rate_name
 
         p = self._params
@@ -385,6 +388,13 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             raise ValueError(f"lr_params_feed_name {name!r} names a value of the training graph the session "
                              "builds (a gradient, the global gradient norm or optimizer state); name the "
                              "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
+        sent = next((t for t in passed if f"{t}_grad" == name), None)
+        if sent is not None and value_types(model).get(sent, onnx.TypeProto()).tensor_type.elem_type in (
+                TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            raise ValueError(f"lr_params_feed_name {name!r} names the gradient of {sent!r}, which the "
+                             "pipeline's stages pass on (their graphs exchange its gradient under that "
+                             "name); name the learning-rate feed otherwise (TrainingParameters."
+                             "lr_params_feed_name)")
 
     def _check_initial_state(self, model: onnx.ModelProto, trainable: list[str], shapes: bool = True) -> None:
         """Refuse, on every rank and before anything is built, an initial optimizer state that one process's

@@ -114,7 +114,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._model_trained = list(trainable)
         self._check_attribute_maps()  # (before the stage is built and its dumps written)
         self._check_initial_state(model, trainable)
-        self._check_learning_rate(model, trainable)
+        self._check_learning_rate(model, trainable, [t for sends in self._part.sends for t in sends])
         self._shared = tied_weights(model, self._part.runs, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
