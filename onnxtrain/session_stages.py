@@ -87,6 +87,9 @@ class MicroBatching:
     def _slice(self, feeds: dict[str, np.ndarray], parts: list[dict[str, np.ndarray]], count: int) -> None:
         for name, axis in self._sliced.items():
             a = feeds[name]
+            if a.ndim and not -a.ndim <= axis < a.ndim:  # (an input without a declared shape)
+                raise ValueError(f"sliced_axes[{name!r}] = {axis} is out of range for the fed rank {a.ndim} "
+                                 f"(shape {list(a.shape)})")
             if a.ndim == 0 or a.shape[axis] % count:
                 raise ValueError(
                     f"input {name!r}: its axis {axis} (shape {list(a.shape)}) does not divide into "
