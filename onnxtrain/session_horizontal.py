@@ -587,6 +587,11 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
                 shape = self._store[name].shape if name in self._store else self._spec_of[name].initial.shape
                 if orig is not None and value.shape != shape:
                     sw = self._split[orig]
+                    whole = list(shape)
+                    whole[sw.axis] = sum(sw.segments) if sw.segments else shape[sw.axis] * size
+                    if list(value.shape) != whole:  # (take_share would cut any array long enough)
+                        raise ValueError(f"state {full!r}: expected shape {whole} (or this rank's share's, "
+                                         f"{list(shape)}), got {list(value.shape)}")
                     value = take_share(value, sw.axis, rank, size, sw.segments)
             else:
                 continue
