@@ -204,6 +204,10 @@ def merge_cuts(
     stage, as a plain pipeline puts it; the values are sent on); one on a value of the block (between its F
     and G cuts) is an error naming the cut."""
     producer = {o: k for k, n in enumerate(model.graph.node) for o in n.output if o}
+    readers: dict[str, list[int]] = {}
+    for k, n in enumerate(model.graph.node):
+        for i in node_reads(n):
+            readers.setdefault(i, []).append(k)
 
     for c, edges in enumerate(stage_cuts):
         for e in edges:
@@ -228,6 +232,8 @@ def merge_cuts(
             if last.ends_stage:
                 raise ValueError(f"pipeline_cut_info_string: cut {j} ({', '.join(e.tensor for e in edges)}) "
                                  "ends its stage where the cut before it does: the stage between has no node")
+            ends = {e.tensor for e in last.edges}
+            _check_sent_on(producer, readers, j, edges, [e for e in edges if e.tensor not in ends], split_at)
             merged[-1] = MergedCut(last.edges, True, last.block_cut)
             continue
         if is_stage and inside is not None:
@@ -251,11 +257,35 @@ def merge_cuts(
         if is_stage and split_at is not None:
             # values computed before the last split cut (beside its block, in an earlier piece) cross this cut
             # as any value read later does (sent on); the cut ends the stage at the others
+            _check_sent_on(producer, readers, j, edges, [e for e in edges if producer[e.tensor] <= split_at],
+                           position)
             edges = [e for e in edges if producer[e.tensor] > split_at]
         elif not is_stage:
             split_at = position
         merged.append(MergedCut(list(edges), bool(is_stage), None if is_stage else j))
     return merged
+
+
+def _check_sent_on(
+    producer: dict[str, int], readers: dict[str, list[int]], j: int, edges: list[CutEdge],
+    extra: list[CutEdge], at: int | None,
+) -> None:
+    """A stage cut ending at node ``at`` (a split block's output) takes its ``extra`` edges as values sent on
+    only when they are computed before it and every reader they cut comes after it, as a plain pipeline
+    would take such a cut; else (a value of the block itself, read inside it, or one computed after the
+    block) it is refused naming the value."""
+    if at is None:
+        return
+    for e in extra:
+        if producer[e.tensor] > at:
+            why = "is computed after the split block's output the stage ends at: list it in a later cut"
+        elif any(r <= at for r in ([producer.get(c, -1) for c in e.consumers] or readers.get(e.tensor, []))):
+            why = ("is read before the split block's output the stage ends at (inside the block or by it): "
+                   "cut before the block or after its output")
+        else:
+            continue
+        raise ValueError(f"pipeline_cut_info_string: cut {j} ({', '.join(x.tensor for x in edges)}): "
+                         f"{e.tensor!r} {why}")
 
 
 def _draws_or_keeps(node: onnx.NodeProto) -> bool:
