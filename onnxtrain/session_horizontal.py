@@ -30,6 +30,7 @@ runs); the gradient norm and a weight read in several stages sum over the stages
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,6 +136,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
         self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
+        self._check_learning_rate_shares(h)
         if p.use_mixed_precision:  # on the rank's model: its casts read the shares
             sharded = mixed_precision(sharded, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(sharded)
@@ -174,6 +176,23 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._setup_accumulation()
 
     # ---- construction ----------------------------------------------------------------
+    def _check_learning_rate_shares(self, size: int) -> None:
+        """Refuse, on every rank, a learning-rate feed name that names any rank's share of a split weight
+        (``W1_column_rank_1``) or a value the rank derives from it (its gradient, moments, step count, update
+        output, half copy: a name holding the share's name as a ``_``-separated part). Such names exist on
+        one rank only: the rank holding that share refused it, or took the feed in the share's state's
+        place, while the others went on alone (the check before the split knows the model's names only)."""
+        name = self._params.lr_params_feed_name
+        for w, sw in self._split.items():
+            for r in range(size):
+                share = share_name(w, sw.row, r)
+                if re.search(rf"(^|_){re.escape(share)}(_|$)", name):
+                    raise ValueError(
+                        f"lr_params_feed_name {name!r} names rank {r}'s share of the split weight {w!r} "
+                        f"({share!r}) or a value derived from it; name the learning-rate feed otherwise "
+                        "(TrainingParameters.lr_params_feed_name)"
+                    )
+
     def _split_groups(self, comm: Any, share: int, replica: int, stage: int, stages: int) -> None:
         """``self._comm``: the ranks splitting this rank's blocks (ordered by share); ``self._data``: those
         holding the same share of the same stage in every replica (None with one replica); ``self._pipe``:
