@@ -48,7 +48,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_info,
 )
 from onnxtrain.inference import NodeArg
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import RANDOM_OPS, subgraphs, walk_graphs
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -251,8 +251,14 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         which must draw the same values: each unseeded one gets a seed the replica's ranks agree on (from
         the first rank's seed sequence, so :func:`onnxtrain.set_seed` still fixes them), each replica
         its own. Inside a block (odd pieces) each rank draws for its own share: the seed plus
-        ``SHARE_SEED_STEP`` × the rank's share, as Megatron's model-parallel generator does."""
-        nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.op_type in RANDOM_OPS]
+        ``SHARE_SEED_STEP`` × the rank's share, as Megatron's model-parallel generator does. A random node
+        in a body (an If's branch, a Loop's body) is seeded as its outermost node's piece says."""
+        nodes = [
+            (k, m)
+            for k, n in enumerate(model.graph.node)
+            for m in (n, *(b for g in subgraphs(n) for sub in walk_graphs(g) for b in sub.node))
+            if m.op_type in RANDOM_OPS
+        ]
         if not nodes:
             return
         mine = int(unseeded_generator({}).integers(2**31 - 1)) + 1_000_003 * self.data_parallel_rank

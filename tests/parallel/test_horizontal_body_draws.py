@@ -92,12 +92,7 @@ def _oracle(x, n, w1, w2, lr):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("where", [
-    "top",
-    pytest.param("body", marks=pytest.mark.xfail(strict=True, reason=(
-        "HorizontalSession._seed_random_nodes (onnxtrain/session_horizontal.py) seeds the graph's own random "
-        "nodes only, not those in an If's branches: each rank draws its own mask"))),
-])
+@pytest.mark.parametrize("where", ["top", "body"])
 def test_a_draw_outside_the_blocks_is_alike_on_both_ranks(tmp_path, where: str) -> None:
     script = tmp_path / "draws.py"
     script.write_text(_SCRIPT)
