@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,10 @@ def training_parameters(cfg: Config, model: onnx.ModelProto) -> TrainingParamete
         known = get_optimizer(p.training_optimizer_name).FLOAT_ATTRS
         attrs = {k: v for k, v in attrs.items() if k in known}
         given = p.optimizer_attributes_map
-        p.optimizer_attributes_map = {**given, **{w: {**given.get(w, {}), **attrs}
-                                                  for w in select_trainable(model, p)}}
+        with warnings.catch_warnings():  # (the session selects them again, and warns then: once a run)
+            warnings.simplefilter("ignore")
+            trained = select_trainable(model, p)
+        p.optimizer_attributes_map = {**given, **{w: {**given.get(w, {}), **attrs} for w in trained}}
     return p
 
 

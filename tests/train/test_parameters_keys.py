@@ -113,3 +113,23 @@ def test_data_parallel_size_reaches_the_session_only_when_the_config_sets_it(wri
     cfg = load_config(write_config(raw))
     p = training_parameters(cfg, build_model(cfg))
     assert p.is_set("data_parallel_size") and p.data_parallel_size == 2
+
+
+def test_the_weights_to_train_fallback_warns_once_a_run(write_config):
+    """training.parameters.weights_to_train naming nothing the model reads trains what discovery finds, with a
+    warning (as onnxruntime-training 1.16.3 fell back); with optimizer attributes from the config the CLI
+    selected the weights once more to fill the attribute map, and the warning came twice."""
+    import warnings
+
+    from onnxtrain.train.session import make_session
+
+    raw = _with_parameters(weights_to_train=["nope"])
+    raw["optimizer"] = {"name": "adam", "eps": 1e-4}
+    cfg = load_config(write_config(raw))
+    model = build_model(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_session(cfg, model, training_parameters(cfg, model))
+    fallback = [str(w.message) for w in caught if "have no consumer" in str(w.message)]
+    assert len(fallback) == 1, fallback
+    assert "'nope'" in fallback[0]
