@@ -25,7 +25,7 @@ from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg, warn_unread_model_config
-from onnxtrain.ir.builder import NameGen, loadable_model, value_types
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, loadable_model, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.optim.base import WeightSlot
@@ -376,10 +376,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         p = self._params
         name = p.lr_params_feed_name
         _check_learning_rate_name(model.graph, name)
-        inits = {t.name: t for t in model.graph.initializer}
-        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
         defined = {GLOBAL_NORM, f"{p.loss_output_name}_grad", *(f"{w}_grad" for w in trainable),
-                   *(sp.name for sp in self._opt.state(slots))}
+                   *(sp.name for sp in self._whole_state_specs(model, trainable))}
         if p.use_mixed_precision:
             defined.add(ALL_FINITE)
         if p.gradient_accumulation_steps > 1:
@@ -389,8 +387,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                              "builds (a gradient, the global gradient norm or optimizer state); name the "
                              "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
         sent = next((t for t in passed if f"{t}_grad" == name), None)
-        if sent is not None and value_types(model).get(sent, onnx.TypeProto()).tensor_type.elem_type in (
-                TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        if sent is not None and (
+                value_types(model).get(sent, onnx.TypeProto()).tensor_type.elem_type in FLOAT_TYPES):
             raise ValueError(f"lr_params_feed_name {name!r} names the gradient of {sent!r}, which the "
                              "pipeline's stages pass on (their graphs exchange its gradient under that "
                              "name); name the learning-rate feed otherwise (TrainingParameters."
@@ -406,9 +404,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         initial = self._params.optimizer_initial_state()
         if not initial:
             return
-        inits = {t.name: t for t in model.graph.initializer}
-        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
-        specs = {(sp.weight or "shared_optimizer_state", sp.key): sp for sp in self._opt.state(slots)}
+        specs = {(sp.weight or "shared_optimizer_state", sp.key): sp
+                 for sp in self._whole_state_specs(model, trainable)}
         for w, d in initial.items():
             if w != "shared_optimizer_state" and w not in trainable:
                 continue  # (one process warns about it and goes on)
@@ -426,6 +423,12 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                             and np.can_cast(arr.dtype, kept.dtype, "safe"))
                 if arr.dtype != kept.dtype and not lossless:
                     raise TypeError(f"state {sp.name!r}: expected dtype {kept.dtype}, got {arr.dtype}")
+
+    def _whole_state_specs(self, model: onnx.ModelProto, trainable: list[str]) -> list:
+        """The optimizer state one process's session keeps for ``trainable`` (the model's whole weights)."""
+        inits = {t.name: t for t in model.graph.initializer}
+        slots = [WeightSlot(w, "", tuple(inits[w].dims), inits[w].data_type) for w in trainable]
+        return self._opt.state(slots)
 
     def _trained(self) -> list[str]:
         """The trained weights this rank holds (by the names it holds them under)."""
