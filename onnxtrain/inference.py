@@ -65,6 +65,7 @@ from onnxtrain.session_loading import (
     options_from_model,
     options_snapshot,
     supplied_arrays,
+    warn_config_not_applied,
 )
 from onnxtrain.session_profiling import end_profiling, profile_session_start
 from onnxtrain.user_warning import warn
@@ -362,6 +363,8 @@ class InferenceSession:
         begin = time.perf_counter_ns()
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
+        if self._backend == "numpy":
+            warn_config_not_applied(self._sess_options)
         # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
         # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing
         self._enable_fallback = int(kwargs.get("enable_fallback", 1)) == 1

@@ -224,6 +224,25 @@ def _inferred_output_sizes(model: onnx.ModelProto) -> None:
                 d.dim_value = e.dim_value
 
 
+# session config entries with which onnxruntime computes other values than the numpy engine, which does not
+# apply them: key → (the value that asks for it, what the engine does instead)
+_NOT_APPLIED = {
+    "session.set_denormal_as_zero": (
+        "1", "keeps subnormal floats (IEEE), where onnxruntime flushes inputs and results below 1.2e-38 "
+             "(float32) to zero: such values differ"),
+}
+
+
+def warn_config_not_applied(options: Any) -> None:
+    """Warn of each session config entry of ``options`` that asks the numpy engine for what it does not do
+    (:data:`_NOT_APPLIED`), naming it: a run's values would differ from onnxruntime's without a word."""
+    config = config_entries(options)
+    for key, (value, instead) in _NOT_APPLIED.items():
+        if config.get(key) == value:
+            warn(f"session config entry {key} = {value!r} has no effect on the numpy engine, which {instead} "
+                 "(the onnxruntime backend, config entry onnxtrain.backend, applies it)")
+
+
 def config_entries(options: Any) -> dict[str, str]:
     """The session config entries of ``options`` (onnxtrain's SessionOptions; others: none read)."""
     return dict(getattr(options, "_config", {}) or {})
