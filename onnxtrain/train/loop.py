@@ -367,6 +367,8 @@ class Trainer:
         if isinstance(saved, str):
             diff = _run_property(path, "config", lambda: [k for k in changed_keys(saved, self.cfg)
                                                           if not _cannot_change_weights(k)])
+            if self.cfg.schedule.kind == "constant":  # a step's rate does not depend on the run's length
+                diff = [k for k in diff if k not in LENGTH_KEYS]
         own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
         if self.adasum and not own and self.main:
             written = ckpt.properties.get(ADASUM_RANKS)
@@ -799,6 +801,11 @@ def _end_epoch(st: RunState, rng: np.random.Generator) -> None:
 # --resume leaves the weights as in an uninterrupted run
 WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoint_every",
                                  "training.log_every", "training.eval_every", "training.eval_batch_size"})
+
+
+# the run's length: the schedule's decay reads it (a constant schedule, its warm-up too, does not), so a run
+# with a constant schedule trained for longer goes on as an uninterrupted run of the new length
+LENGTH_KEYS = frozenset({"training.steps", "training.epochs"})
 
 
 # how the ranks share the work: a resumed run with another value goes on as an uninterrupted one (within
