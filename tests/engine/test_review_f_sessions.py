@@ -65,6 +65,70 @@ def test_set_denormal_as_zero_is_not_silently_ignored() -> None:
         onnxtrain.InferenceSession(model, options)
 
 
+def _graph_optimizing_entry_model(key: str) -> tuple[bytes, dict[str, np.ndarray]]:
+    """A model onnxruntime rewrites when session config entry ``key`` is "1", and its feed."""
+    x = np.linspace(-4, 4, 1001, dtype=np.float32) * np.float32(1.001)
+    io = ([helper.make_tensor_value_info("x", F, [1001])], [helper.make_tensor_value_info("y", F, [1001])])
+    if key == "optimization.enable_cast_chain_elimination":  # float32 → float16 → float32
+        nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+                 helper.make_node("Cast", ["h"], ["y"], to=F)]
+        inits = []
+    elif key == "optimization.enable_gelu_approximation":  # torch's export of the exact GELU
+        nodes = [helper.make_node("Div", ["x", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                 helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["x", "a"], ["m"]),
+                 helper.make_node("Mul", ["m", "half"], ["y"])]
+        inits = [numpy_helper.from_array(np.array(v, np.float32), n)
+                 for n, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    else:  # a quantized activation: QuantizeLinear → DequantizeLinear
+        nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"]),
+                 helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["d"]),
+                 helper.make_node("Relu", ["d"], ["y"])]
+        inits = [numpy_helper.from_array(np.array(0.05, np.float32), "scale"),
+                 numpy_helper.from_array(np.array(0, np.uint8), "zero")]
+    g = helper.make_graph(nodes, "g", *io, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(), {"x": x}
+
+
+@pytest.mark.parametrize(("key", "lowest"), [
+    ("optimization.enable_cast_chain_elimination", "ORT_ENABLE_BASIC"),
+    ("optimization.enable_gelu_approximation", "ORT_ENABLE_EXTENDED"),
+    ("session.enable_quant_qdq_cleanup", "ORT_ENABLE_EXTENDED"),
+])
+def test_config_entries_that_change_onnxruntimes_values_are_not_silently_ignored(key: str,
+                                                                                 lowest: str) -> None:
+    """With these session config entries onnxruntime rewrites the graph into one that computes other values
+    (the oracle: onnxruntime with and without the entry, from its graph optimization level ``lowest`` on;
+    below it, onnxruntime leaves the graph as it is). The numpy engine computes the graph as it is: the
+    session took the entries without a word; it now warns, naming the entry, at the levels where onnxruntime
+    applies it, and its values are onnxruntime's without the entry."""
+    import onnxruntime as ort
+
+    model, feed = _graph_optimizing_entry_model(key)
+
+    def ort_run(entry: bool, level: str = "ORT_ENABLE_ALL") -> np.ndarray:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        if entry:
+            so.add_session_config_entry(key, "1")
+        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+
+    plain = ort_run(False)
+    assert np.abs(ort_run(True) - plain).max() > 1e-4  # what the entry does in onnxruntime
+    assert np.abs(ort_run(True, lowest) - plain).max() > 1e-4
+    options = onnxtrain.SessionOptions()
+    options.add_session_config_entry(key, "1")
+    with pytest.warns(UserWarning, match=key.replace(".", r"\.")):
+        sess = onnxtrain.InferenceSession(model, options)
+    np.testing.assert_allclose(sess.run(None, feed)[0], plain, rtol=1e-6, atol=1e-6)
+    below = {"ORT_ENABLE_BASIC": "ORT_DISABLE_ALL", "ORT_ENABLE_EXTENDED": "ORT_ENABLE_BASIC"}[lowest]
+    # onnxruntime leaves the graph as it is there
+    np.testing.assert_allclose(ort_run(True, below), ort_run(False, below), rtol=1e-6, atol=1e-6)
+    options.graph_optimization_level = getattr(onnxtrain.GraphOptimizationLevel, below)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        onnxtrain.InferenceSession(model, options)
+
+
 def _wide_product_model(width: int) -> bytes:
     """y = (tanh(x) · x) @ W of x [batch, width], W [width, 2]: the batch split's kind of model (activations
     well above its 1 MiB and twice the weights at batch 2), whose product of one row (each half's) rounds
