@@ -19,9 +19,14 @@ its halves once they agree, and every run of that size gives the same bits. Whet
 does not depend on timing: only on the live activations of its whole run (:data:`MIN_ACTIVATION_BYTES`,
 and twice the weights: :data:`ACTIVATIONS_PER_WEIGHT`), on the plan's threads (two or more) and on
 numpy's BLAS being an OpenBLAS whose thread count can be pinned
-(:func:`onnxtrain.engine.blas.single_threaded_blas`). The session config entry ``onnxtrain.batch_split =
-0`` turns it off. The halves share the whole plan's weights; their activations, scratch and the second
-thread's BLAS buffers cost memory (the transformer's session: +15 MiB of peak RSS).
+(:func:`onnxtrain.engine.blas.single_threaded_blas`). Nor do a size's bits depend on the other Python
+threads alive (one might be inside a BLAS call, so BLAS's thread count cannot be pinned then): a size first
+seen while one is alive runs whole for the session's life; a checked size runs its halves one after the other
+on the calling thread while one is alive, and is split only if that gives the bits of its halves on two
+threads (a matrix-vector product that BLAS splits over its own threads rounds otherwise). The session
+config entry ``onnxtrain.batch_split = 0`` turns it off. The halves share the whole plan's weights; their
+activations, scratch and the second thread's BLAS buffers cost memory (the transformer's session: +15 MiB
+of peak RSS).
 
 With ``onnxtrain.batch_split = process`` the second half runs in a forked child process instead of a
 thread (:mod:`onnxtrain.engine.half_process`): two threads share one GIL, two processes do not. The child
@@ -128,10 +133,12 @@ class BatchSplitter:
         verdict = self.verdicts.get(batch, None) if batch else False
         if self.plan.profiling or verdict is False:
             return self.plan.run(feeds, output_names)
-        if verdict and can_pin_blas_threads():
+        if verdict:
             self.split_runs += 1
             try:
-                return self._run_halves(feeds, output_names, batch)
+                if can_pin_blas_threads():
+                    return self._run_halves(feeds, output_names, batch)
+                return self._run_halves_here(feeds, output_names, batch)
             except (Terminated, KeyboardInterrupt):
                 raise
             except Exception:  # (an input a node refuses): the whole batch's run raises it with its shapes
@@ -141,10 +148,19 @@ class BatchSplitter:
             activations = self.plan.peak_bytes - self.plan._base_bytes
             if activations < max(MIN_ACTIVATION_BYTES, ACTIVATIONS_PER_WEIGHT * self.weight_bytes):
                 self.verdicts[batch] = False  # too little work, or too much of it on the weights, to gain
-            elif can_pin_blas_threads():
+            elif not can_pin_blas_threads():
+                # the check needs the halves on one-thread BLAS; this size runs whole from now on, so
+                # that its later runs give this run's bits whatever threads are alive then
+                self.verdicts[batch] = False
+            else:
                 try:
                     halves = self._run_halves(feeds, output_names, batch)
-                    self.verdicts[batch] = all(_agree(a, b) for a, b in zip(whole, halves))
+                    here = self._run_halves_here(feeds, output_names, batch)
+                    # split only if the halves agree with the whole run and give the same bits when they
+                    # run one after the other on BLAS's own threads (a later run while another Python
+                    # thread is alive): a matrix-vector product split over BLAS's threads rounds otherwise
+                    self.verdicts[batch] = (all(_agree(a, b) for a, b in zip(whole, halves))
+                                            and all(_same_bits(a, b) for a, b in zip(halves, here)))
                 except Terminated:  # the caller's RunOptions.terminate: the run fails, no verdict
                     raise
                 except Exception:  # e.g. a reshape to a fixed batch: the model does not run on half a batch
@@ -169,16 +185,7 @@ class BatchSplitter:
 
     def _run_halves(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None,
                     batch: int) -> list[Any]:
-        halves = self._half_plans()
-        cut = batch // 2
-        parts: list[dict[str, Any]] = [{}, {}]
-        for name, v in feeds.items():
-            axis = self.input_axes[name]
-            index: list[Any] = [slice(None)] * v.ndim
-            index[axis] = slice(0, cut)
-            parts[0][name] = np.ascontiguousarray(v[tuple(index)])
-            index[axis] = slice(cut, batch)
-            parts[1][name] = np.ascontiguousarray(v[tuple(index)])
+        halves, parts = self._half_plans(), self._parts(feeds, batch)
         results: list[list[Any]]
         if self.mode == "process":
             results, second_peak = self._run_with_child(halves, parts, output_names)
@@ -197,10 +204,36 @@ class BatchSplitter:
             with single_threaded_blas(), running_with(2), placed(2):
                 parallel_for(2, half)
             second_peak = halves[1].peak_bytes
-        names = list(output_names) if output_names is not None else self.plan.output_names
         # both halves count the shared weights
         self.plan.peak_bytes = halves[0].peak_bytes + second_peak - self.weight_bytes
+        return self._joined(results, output_names)
+
+    def _parts(self, feeds: Mapping[str, Any], batch: int) -> list[dict[str, Any]]:
+        """Each feed cut along its batch axis into a first half of ``batch // 2`` samples and the rest."""
+        cut = batch // 2
+        parts: list[dict[str, Any]] = [{}, {}]
+        for name, v in feeds.items():
+            axis = self.input_axes[name]
+            index: list[Any] = [slice(None)] * v.ndim
+            index[axis] = slice(0, cut)
+            parts[0][name] = np.ascontiguousarray(v[tuple(index)])
+            index[axis] = slice(cut, batch)
+            parts[1][name] = np.ascontiguousarray(v[tuple(index)])
+        return parts
+
+    def _joined(self, results: list[list[Any]], output_names: Sequence[str] | None) -> list[Any]:
+        """The two halves' outputs joined along each output's batch axis."""
+        names = list(output_names) if output_names is not None else self.plan.output_names
         return [np.concatenate([a, b], axis=self.output_axes[n]) for n, a, b in zip(names, *results)]
+
+    def _run_halves_here(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None,
+                         batch: int) -> list[Any]:
+        """The halves one after the other on the calling thread, BLAS's thread count left as it is: for
+        runs while another Python thread is alive, which may be inside a BLAS call."""
+        halves, parts = self._half_plans(), self._parts(feeds, batch)
+        results = [halves[i].run(parts[i], output_names) for i in range(2)]
+        self.plan.peak_bytes = max(h.peak_bytes for h in halves)
+        return self._joined(results, output_names)
 
     def _run_with_child(self, halves: tuple[Plan, Plan], parts: list[dict[str, Any]],
                         output_names: Sequence[str] | None) -> tuple[list[list[Any]], int]:
@@ -265,6 +298,12 @@ def _agree(whole: Any, half: Any) -> bool:
     scale = float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0))
     tol = RTOL[whole.dtype.itemsize]
     return bool(np.allclose(b, a, rtol=tol, atol=tol * scale, equal_nan=True))
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included)."""
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+            and a.shape == b.shape and a.tobytes() == b.tobytes())
 
 
 def draws(model: onnx.ModelProto) -> bool:
