@@ -547,6 +547,16 @@ class Trainer:
             raise ConfigError("output.dir", f"another onnxtrain run is training in {self.out}; wait for it "
                                             "to end or choose another --output-dir (or output.dir)")
 
+    def _checkpoints_to_resume(self) -> list[tuple[int, str]]:
+        """The output folder's checkpoints (rank 0's list, on every rank), or a ConfigError naming --resume
+        when there is none."""
+        found = self.agree(list_checkpoints(self.out))
+        if not found:
+            raise ConfigError("--resume", f"no checkpoint in {os.path.join(self.out, 'checkpoints')} to "
+                                          "continue from; start without --resume, or give the run's "
+                                          "--output-dir")
+        return found
+
     def _run(self, resume: bool, overwrite: bool) -> RunResult:
         main = self.main
         if not resume:  # files that no run wrote are never replaced, with --overwrite or without
@@ -563,11 +573,8 @@ class Trainer:
                 raise ConfigError("", f"{self.out} already holds checkpoints of a run (the latest: step "
                                       f"{old[-1][0]}); pass --resume to continue it, --overwrite to start "
                                       "over (deleting them), or choose another --output-dir")
-        found = self.agree(list_checkpoints(self.out)) if resume else []
-        if resume and not found:  # refused before the output folder is made: a mistyped one stays unmade
-            raise ConfigError("--resume", f"no checkpoint in {os.path.join(self.out, 'checkpoints')} to "
-                                          "continue from; start without --resume, or give the run's "
-                                          "--output-dir")
+        if resume:  # refused before the output folder is made: a mistyped one stays unmade
+            self._checkpoints_to_resume()
         if main:
             try:  # the check above cannot see every refusal (a root process in a pseudo file system)
                 os.makedirs(self.out, exist_ok=True)
@@ -579,6 +586,9 @@ class Trainer:
         if main:
             for f in remove_stale_temporaries(self.out):
                 print(f"onnxtrain: removed {f}, left by a run killed while writing it", file=sys.stderr)
+        # listed after the clean-up, which deletes a checkpoint that a save killed between its renames had put
+        # in place (the folder is put back as it was before that save)
+        found = self._checkpoints_to_resume() if resume else []
         rng = data_mod.order_rng(self.cfg.training.seed)
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
