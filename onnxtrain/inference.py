@@ -64,6 +64,7 @@ from onnxtrain.session_loading import (
     optimized_model_path,
     options_from_model,
     options_snapshot,
+    refuse_disabled_cpu_fallback,
     supplied_arrays,
     warn_config_not_applied,
 )
@@ -364,6 +365,7 @@ class InferenceSession:
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         if self._backend == "numpy":
+            refuse_disabled_cpu_fallback(self._sess_options, providers)
             warn_config_not_applied(self._sess_options)
         # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
         # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing

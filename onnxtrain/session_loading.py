@@ -14,7 +14,7 @@ import onnx
 
 from onnxtrain.capi.options import ExecutionMode, GraphOptimizationLevel, SessionOptions
 from onnxtrain.engine.interface import load_model
-from onnxtrain.errors import FailValueError, InvalidArgument
+from onnxtrain.errors import Fail, FailValueError, InvalidArgument
 from onnxtrain.user_warning import warn
 
 
@@ -26,7 +26,30 @@ def optimized_model_path(options: SessionOptions) -> str:
         warn(f"SessionOptions.optimized_model_filepath {path!r}: onnxtrain writes an ONNX model (protobuf) "
              "there, not onnxruntime's ORT format; name it .onnx, or convert it with onnxruntime's "
              "convert_onnx_models_to_ort")
+    elif config_entries(options).get(_SAVE_FORMAT) == "ORT":  # (onnxruntime writes its ORT format then)
+        warn(f"session config entry {_SAVE_FORMAT} = 'ORT': onnxtrain writes an ONNX model (protobuf) to "
+             f"SessionOptions.optimized_model_filepath {path!r}, not onnxruntime's ORT format; convert it "
+             "with onnxruntime's convert_onnx_models_to_ort")
     return path
+
+
+_SAVE_FORMAT = "session.save_model_format"
+_NO_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
+
+
+def refuse_disabled_cpu_fallback(options: Any, providers: Any) -> None:
+    """Refuse session config entry ``session.disable_cpu_ep_fallback = "1"`` for a session of the numpy
+    engine, which runs every node on the CPU: as onnxruntime refuses it (an InvalidArgument when the CPU
+    provider is among ``providers``, else a Fail: its nodes would fall back to the CPU)."""
+    if config_entries(options).get(_NO_CPU_FALLBACK) != "1":
+        return
+    names = [p[0] if isinstance(p, (tuple, list)) and p else p for p in providers or ()]
+    if "CPUExecutionProvider" in names:
+        raise InvalidArgument("Conflicting session configuration: the CPU execution provider is asked for, "
+                              f"and config entry {_NO_CPU_FALLBACK} = '1' disables falling back to it")
+    raise Fail(f"session config entry {_NO_CPU_FALLBACK} = '1' disables running nodes on the CPU, where the "
+               "numpy engine runs every node (use the onnxruntime backend, config entry onnxtrain.backend, "
+               "for another execution provider)")
 
 
 # the session config entries that put the optimized model's initializers in a data file, as onnxruntime's do

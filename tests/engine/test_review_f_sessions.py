@@ -190,3 +190,55 @@ def test_a_batch_size_first_run_while_another_thread_is_alive_keeps_its_bits() -
     assert sess._splitter.verdicts == {8: False} and sess._splitter.split_runs == 0
     for out in later:
         assert out.tobytes() == meanwhile.tobytes()
+
+
+@pytest.mark.parametrize("providers", [None, ["CPUExecutionProvider"], ["CUDAExecutionProvider"],
+                                       [("CPUExecutionProvider", {})]])
+def test_disabled_cpu_fallback_is_refused_as_onnxruntime_refuses_it(providers) -> None:
+    """``session.disable_cpu_ep_fallback = "1"`` asks for a session that never runs a node on the CPU: the
+    numpy engine runs every node there. onnxruntime refuses the session (the oracle: its Fail when the CPU
+    provider would be the fallback, its InvalidArgument when the CPU provider is asked for too); onnxtrain
+    made it and ran on the CPU without a word (or with the unavailable provider's fallback warning). It now
+    refuses it as onnxruntime does, naming the entry; "0" is taken."""
+    import onnxruntime as ort
+
+    model = _product_model()
+    kind = {}
+    for lib in (ort, onnxtrain):
+        options = lib.SessionOptions()
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the unavailable CUDA provider's fallback warning)
+            with pytest.raises(Exception) as e:  # noqa: PT011 - onnxruntime's classes are no RuntimeErrors
+                lib.InferenceSession(model, options, providers=providers)
+        kind[lib.__name__] = type(e.value).__name__
+        if lib is onnxtrain:
+            assert "session.disable_cpu_ep_fallback" in str(e.value)
+    assert kind["onnxtrain"] == kind["onnxruntime"]
+    options = onnxtrain.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "0")
+    c, = onnxtrain.InferenceSession(model, options).run(None, {"a": np.ones(3, np.float32),
+                                                              "b": np.full(3, 2, np.float32)})
+    np.testing.assert_array_equal(c, np.full(3, 2, np.float32))
+
+
+def test_an_optimized_model_asked_in_ort_format_is_not_silently_written_as_onnx(tmp_path) -> None:
+    """``session.save_model_format = "ORT"`` makes onnxruntime write ``optimized_model_filepath`` in its ORT
+    format whatever the file's name (the oracle: the file it writes does not parse as ONNX); onnxtrain writes
+    an ONNX model there, and said so only for a name ending in .ort. It now warns, naming the entry."""
+    import onnx
+    import onnxruntime as ort
+
+    model = _product_model()
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.save_model_format", "ORT")
+    options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception):  # noqa: B017, PT011 - protobuf's DecodeError, whatever onnx wraps it in
+        onnx.load(str(tmp_path / "ort.onnx"))
+    options = onnxtrain.SessionOptions()
+    options.add_session_config_entry("session.save_model_format", "ORT")
+    options.optimized_model_filepath = str(tmp_path / "ours.onnx")
+    with pytest.warns(UserWarning, match=r"session\.save_model_format"):
+        onnxtrain.InferenceSession(model, options)
+    onnx.checker.check_model(onnx.load(str(tmp_path / "ours.onnx")))  # what the warning says: ONNX
