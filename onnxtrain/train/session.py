@@ -75,6 +75,14 @@ def make_session(cfg: Config, model: onnx.ModelProto, p: TrainingParameters) -> 
         return TrainingSession(model, p, backend_options(cfg.training.backend))
     except ImportError as e:  # training.backend: onnxruntime without the package
         raise ConfigError("training.backend", str(e)) from None
+    except OSError as e:  # a graph dump (model_with_training_graph_path, ...) the session cannot write
+        hit = next((k for k in cfg.training.parameters if k in str(e)), None)
+        if hit is None:
+            raise
+        where = f"TrainingParameters.{hit}: "
+        why = e.strerror.removeprefix(where) if isinstance(e.strerror, str) else str(e)
+        raise ConfigError(f"training.parameters.{hit}", f"cannot write {e.filename or 'the graph'}: {why}"
+                          ) from None
     except (ValueError, NotImplementedError) as e:
         keys = {"use_mixed_precision": "training.mixed_precision",
                 "data_parallel_size": "training.data_parallel_size",
