@@ -345,6 +345,8 @@ class InferenceSession:
     # dims a gradient graph takes for one size (its metadata): each run's feeds are checked against them
     # (a training session checks its own step's feeds instead)
     _same_size: Mapping[str, list[tuple[str, int]]] = MappingProxyType({})
+    # writable arrays the plan runs on that outputs must not hand out (add_initializer's: see __init__)
+    _held: Sequence[np.ndarray] = ()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Sessions are not picklable, as onnxruntime's (a ``spawn`` worker builds its own): one TypeError
@@ -391,6 +393,9 @@ class InferenceSession:
         self._same_size = same_size_dims(model)
         loaded = time.perf_counter_ns()
         arrays = supplied_arrays(model, self._sess_options)
+        # the arrays of add_initializer that the plan reads in place (the caller's, writable): an output
+        # passing one through is copied, or writing into it would change the weight of later runs
+        self._held = list(arrays.values()) if self._backend == "numpy" else []
         self._model = model
         if self._backend == "numpy":  # the plan holds the weights' arrays, and the session's model only
             # their names, types and dims (it held a second copy: 192 MiB of weights took 442 MiB, now 250)
@@ -460,7 +465,7 @@ class InferenceSession:
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         begin = time.perf_counter_ns() if self._session_events is not None else 0
         try:
-            out = outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed))
+            out = outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed, self._held))
             if begin and self._session_events is not None and len(self._session_events) < MAX_PROFILE_EVENTS:
                 took = time.perf_counter_ns() - begin
                 self._session_events.append(ProfileEvent("model_run", "", begin, took, cat="Session"))

@@ -5,7 +5,7 @@ Transpose, an initializer passed through, one value under two output names)."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,11 +15,14 @@ from onnxtrain.capi.ortvalue import OrtValue
 from onnxtrain.engine.transpose_copy import contiguous
 
 
-def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
+def own_outputs(outs: list[Any], feeds: Any, held: Sequence[np.ndarray] = ()) -> list[Any]:
     """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer or a
-    Constant passed through), may share memory with a feed (an Identity of an input) or is not C-contiguous
-    (a Transpose's view): as onnxruntime's, every output is the caller's to write, none changes with a feed,
-    and each is laid out row-major (``OrtValue.data_ptr()`` with its shape describes it)."""
+    Constant passed through), may share memory with a feed (an Identity of an input) or with one of ``held``
+    (writable arrays the session runs on: the caller's ``add_initializer`` values), or is not C-contiguous
+    (a Transpose's view): as onnxruntime's, every output is the caller's to write, none changes with a feed
+    and writing one changes no later run, and each is laid out row-major (``OrtValue.data_ptr()`` with its
+    shape describes it)."""
+    held_ids = {id(h) for h in held}
     fed: list[np.ndarray] = []
     for v in feeds.values() if isinstance(feeds, Mapping) else ():
         if isinstance(v, OrtValue):
@@ -34,6 +37,10 @@ def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
         if not flags.c_contiguous:  # (a Transpose's view: by tiles where it swaps blocks of axes)
             return contiguous(o)
         if not flags.writeable or any(np.may_share_memory(o, f) for f in fed):
+            return o.copy()
+        # (only a held array itself or a view can share its memory: an output the run made is neither)
+        if held_ids and (o.base is not None or id(o) in held_ids) and any(np.may_share_memory(o, h)
+                                                                          for h in held):
             return o.copy()
         return o
 

@@ -242,3 +242,56 @@ def test_an_optimized_model_asked_in_ort_format_is_not_silently_written_as_onnx(
     with pytest.warns(UserWarning, match=r"session\.save_model_format"):
         onnxtrain.InferenceSession(model, options)
     onnx.checker.check_model(onnx.load(str(tmp_path / "ours.onnx")))  # what the warning says: ONNX
+
+
+def _passing_weight_model() -> bytes:
+    """Outputs that pass the initializer w through (Identity, a Reshape, a Squeeze's view, a sequence of it)
+    and y = x · w."""
+    shape = numpy_helper.from_array(np.array([1, 3], np.int64), "shape")
+    axis = numpy_helper.from_array(np.array([0], np.int64), "axis")
+    w = numpy_helper.from_array(np.ones(3, np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["wi"]), helper.make_node("Mul", ["x", "w"], ["y"]),
+         helper.make_node("Reshape", ["w", "shape"], ["wr"]),
+         helper.make_node("Squeeze", ["wr", "axis"], ["ws"]),
+         helper.make_node("SequenceConstruct", ["w"], ["wseq"])], "g",
+        [helper.make_tensor_value_info("x", F, [3])],
+        [helper.make_tensor_value_info("wi", F, [3]), helper.make_tensor_value_info("y", F, [3]),
+         helper.make_tensor_value_info("wr", F, [1, 3]), helper.make_tensor_value_info("ws", F, [3]),
+         helper.make_tensor_sequence_value_info("wseq", F, [3])], [w, shape, axis])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_outputs_passing_an_add_initializer_array_through_are_the_callers_own(layout: str) -> None:
+    """``SessionOptions.add_initializer`` hands the session the caller's array, which the plan reads in place
+    (a strided one: a copy). An output passing that initializer through (Identity, a Reshape or Squeeze view,
+    a sequence of it) was that very array: writing into the output the run returned rewrote the session's
+    weight (the next run's x · w used it) and the caller's array. The oracle: numpy (the outputs are w as
+    given, y = x · w, whatever the caller then writes into them), and onnxruntime side by side for a
+    contiguous array, whose next run is unchanged (its pass-through outputs themselves show the model's own
+    initializer, folded before the override: not compared; it refuses a strided array)."""
+    import onnxruntime as ort
+
+    model = _passing_weight_model()
+    x = np.array([1, 2, 3], np.float32)
+    libs = (ort, onnxtrain) if layout == "contiguous" else (onnxtrain,)
+    for lib in libs:
+        given = np.full(6 if layout == "strided" else 3, 2, np.float32)
+        array = given[::2] if layout == "strided" else given
+        value = lib.OrtValue.ortvalue_from_numpy(array)  # (onnxruntime reads it: it must outlive the session)
+        options = lib.SessionOptions()
+        options.add_initializer("w", value)
+        sess = lib.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        wi, y, wr, ws, wseq = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(y, 2 * x)
+        if lib is onnxtrain:
+            for out in (wi, wr.reshape(-1), ws, *wseq):
+                np.testing.assert_array_equal(out, np.full(3, 2, np.float32))
+        for out in (wi, wr, ws, *wseq):
+            out[...] = 100  # the caller's outputs, to write
+        after = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(after[1], 2 * x)  # the weight as given
+        np.testing.assert_array_equal(given, np.full_like(given, 2))
+        if lib is onnxtrain:
+            np.testing.assert_array_equal(after[0], np.full(3, 2, np.float32))
