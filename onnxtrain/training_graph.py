@@ -562,6 +562,12 @@ def build_step_graphs(
                     v.type.tensor_type.ClearField("shape")
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
+        if opt is not None and p.lr_params_feed_name == mp.loss_scale:  # (the update would add no input of
+            # its own: the one feed was both, and the loss scale fed, 2^16, the learning rate)
+            raise ValueError(f"lr_params_feed_name {p.lr_params_feed_name!r} names the loss scale input of "
+                             "mixed precision (TrainingSession.loss_scale_input_name): one feed would be "
+                             "both the learning rate and the loss scale; name the learning-rate feed "
+                             "otherwise (TrainingParameters.lr_params_feed_name)")
     if p.use_memory_efficient_gradient and not any(n.op_type == "LayerNormalization" for n in m.graph.node):
         warn("TrainingParameters.use_memory_efficient_gradient has no effect: the model has no "
              "LayerNormalization (whose input it lets the backward pass recompute)")
