@@ -461,7 +461,7 @@ class Plan(GraphInterface):
             peak = live
             for fn, get, in1, out1, outs, attrs, free, st in self._program:
                 if stop is not None and stop.terminate:
-                    raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
+                    raise Terminated(_TERMINATED.format(_next_node(st.node)))
                 # two or more inputs: one C-level itemgetter call builds the tuple
                 args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
                 try:
@@ -538,7 +538,7 @@ class Plan(GraphInterface):
         last = len(self.steps) if until is None else until
         for k, (fn, get, in1, _, outs, attrs, free, st) in enumerate(self._program):
             if stop is not None and k <= last and stop.terminate:
-                raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
+                raise Terminated(_TERMINATED.format(_next_node(st.node)))
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
             bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()
             for b in bodies:
@@ -668,6 +668,23 @@ def compile_model(model: onnx.ModelProto | str | bytes, **kw: Any) -> Plan:
 
 _OUTPUT_LISTS_KEPT = 64  # lists of output names a plan remembers the slots of (Plan._outputs_of)
 _TERMINATED = "Exiting due to terminate flag being set to true (RunOptions.terminate), before node {!r}"
+FUSED_DOMAIN = "onnxtrain.fused"  # the domain of the nodes the fusions make for their steps
+FUSED_FROM = "fused from: "  # how such a node's doc_string starts: the graph nodes the step runs, in order
+
+
+def fused_members(node: onnx.NodeProto) -> list[str] | None:
+    """The names (an unnamed one: its op) of the graph's nodes that a fused step's ``node`` runs, in order;
+    None for a node of the graph."""
+    if node.domain != FUSED_DOMAIN or not node.doc_string.startswith(FUSED_FROM):
+        return None
+    return node.doc_string[len(FUSED_FROM):].split(", ")
+
+
+def _next_node(node: onnx.NodeProto) -> str:
+    """The node of the graph that a step runs first (a fused step's first member), for a stopped run's
+    message: a fused step's own name ('FusedElementwise(...)') is no node of the model."""
+    members = fused_members(node)
+    return members[0] if members else node.name or node.op_type
 
 
 def _ranks_of(model: onnx.ModelProto) -> Callable[[str], int | None]:

@@ -3,6 +3,7 @@ that change what a run computes, runs while other threads are alive)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -295,3 +296,58 @@ def test_outputs_passing_an_add_initializer_array_through_are_the_callers_own(la
         np.testing.assert_array_equal(given, np.full_like(given, 2))
         if lib is onnxtrain:
             np.testing.assert_array_equal(after[0], np.full(3, 2, np.float32))
+
+
+class _StopAtRead(onnxtrain.RunOptions):
+    """RunOptions whose ``terminate`` reads True from its ``at``-th read on (a stop before each step in
+    turn, without timing)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_at", at)
+        object.__setattr__(self, "_reads", 0)
+
+    def __getattribute__(self, name: str):
+        if name == "terminate":
+            reads = object.__getattribute__(self, "_reads") + 1
+            object.__setattr__(self, "_reads", reads)
+            return reads >= object.__getattribute__(self, "_at")
+        return super().__getattribute__(name)
+
+
+def test_a_run_stopped_before_a_fused_step_names_a_node_of_the_graph() -> None:
+    """A run stopped by ``RunOptions.terminate`` names the node it stopped before (onnxruntime's message
+    names none). Before a step the engine fused (a linear layer's exported GELU: one elementwise step) it
+    named the step, 'FusedElementwise(/gelu/Mul_1)', which no node of the model is; it now names the first
+    node of those the step runs, which is where the run stopped."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+             *[numpy_helper.from_array(np.array(v, np.float32), n)
+               for n, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="/lin/MatMul"),
+             helper.make_node("Add", ["m", "b"], ["h"], name="/lin/Add"),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="/gelu/Div"),
+             helper.make_node("Erf", ["d"], ["e"], name="/gelu/Erf"),
+             helper.make_node("Add", ["e", "one"], ["a"], name="/gelu/Add"),
+             helper.make_node("Mul", ["h", "a"], ["g"], name="/gelu/Mul"),
+             helper.make_node("Mul", ["g", "half"], ["y"], name="/gelu/Mul_1")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 8])],
+                          [helper.make_tensor_value_info("y", F, ["N", 8])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    sess = onnxtrain.InferenceSession(model)
+    assert any(st.node.domain == "onnxtrain.fused" for st in sess._plan.steps)  # (what the test is about)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    names = {n.name for n in nodes}
+    named = []
+    for at in range(1, 20):
+        try:
+            sess.run(None, {"x": x}, _StopAtRead(at))
+            break
+        except RuntimeError as e:
+            assert "terminate" in str(e), e
+            found = re.search(r"before node '([^']*)'", str(e))  # (none: stopped before the run began)
+            if found:
+                named.append(found.group(1))
+    assert named and all(n in names for n in named), named
+    assert "/gelu/Div" in named  # the fused GELU's first node

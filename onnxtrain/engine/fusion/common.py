@@ -222,15 +222,19 @@ def slot_names(plan: Plan) -> dict[int, str]:
 def synthetic_step(
     plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
 ) -> tuple[onnx.NodeProto, Attrs]:
+    from onnxtrain.engine.plan import FUSED_DOMAIN, FUSED_FROM, fused_members
+
     names = slot_names(plan)
     node = helper.make_node(
         op,
         [names.get(s, "") for s in ins],
         [names.get(s, "") for s in outs],
         name=name,
-        domain="onnxtrain.fused",
+        domain=FUSED_DOMAIN,
     )
-    node.doc_string = "fused from: " + ", ".join(m.node.name or m.node.op_type for m in members)
+    # the graph's nodes, in order (a member that is itself a fused step: its own)
+    labels = [label for m in members for label in fused_members(m.node) or [m.node.name or m.node.op_type]]
+    node.doc_string = FUSED_FROM + ", ".join(labels)
     attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
     return node, attrs
 
