@@ -354,6 +354,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
             warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
                  f"{clip[0]!r}) has no effect with enable_grad_norm_clip=False")
+        elif clip and p.legacy_cpu_adam and opt.name == "AdamOptimizer":  # (its update reads no norm)
+            warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
+                 f"{clip[0]!r}) has no effect with legacy_cpu_adam (onnxruntime's CPU Adam did not clip)")
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             absent = sorted(w for w in m if w not in self._graphs.trainable and w not in initializers)
             if absent:  # onnxruntime reads the maps for the trained weights only

@@ -84,3 +84,36 @@ def test_learning_rate_named_as_the_loss_scale_is_refused(scaled_by_client: bool
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"lr_params_feed_name .*loss scale"):
             TrainingSession(model.SerializeToString(), p)
+
+
+def test_max_norm_clip_under_legacy_cpu_adam_is_named() -> None:
+    """legacy_cpu_adam (onnxruntime's CPU Adam, which does not clip) with a max_norm_clip in the attribute
+    map: the session ignored the bound without a word (it warned only under enable_grad_norm_clip=False).
+    It warns now, and the step is the unclipped one (float64 oracle: a gradient of norm > 0.01 clipped to
+    0.01 would give other moments)."""
+    model = sweep.mlp_model()
+    weights = ["W1", "W2", "b1", "b2"]
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    p.legacy_cpu_adam = True
+    p.optimizer_attributes_map = {w: {"max_norm_clip": 0.01} for w in weights}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = TrainingSession(model.SerializeToString(), p)
+    said = [str(w.message) for w in caught if "max_norm_clip" in str(w.message)]
+    assert len(said) == 1 and "legacy_cpu_adam" in said[0] and "'W1'" in said[0], said
+    feed = sweep.batch("mlp", np.random.default_rng(5))
+    case = sweep.draw(0)  # (only its fields the oracle reads are set below)
+    case.kind, case.opt, case.trained, case.steps = "mlp", "AdamOptimizer", weights, 1
+    case.clip, case.cpu_adam, case.fp16_moments = True, True, False
+    case.fattrs, case.iattrs = dict(p.optimizer_attributes_map), {}
+    oracle = sweep.Oracle(case, model)
+    _, g = oracle.grads(feed, 1.0)
+    oracle.accumulate(g, False)
+    assert oracle.norm() > 0.1  # (clipping to 0.01 would change the step)
+    oracle.update(0.05, 1.0)
+    sess.run(["loss"], {**feed, "Learning_Rate": np.array([0.05], np.float32)})
+    got = sess.get_state()
+    for name, v in oracle.state().items():
+        np.testing.assert_allclose(got[name].astype(np.float64), v, rtol=2e-4, atol=2e-6, err_msg=name)
