@@ -56,7 +56,11 @@ def _lazy_select(plan: Plan, branch: Step, where: Step, side: int) -> Callable:
         flag = type(c) is np.ndarray and c.size == 1 and c.dtype == np.bool_ and all(
             type(v) is np.ndarray for v in (other, a, b))
         if flag:
-            shape = np.broadcast_shapes(c.shape, other.shape, a.shape, b.shape)
+            try:
+                shape = np.broadcast_shapes(c.shape, other.shape, a.shape, b.shape)
+            except ValueError:  # the unfused steps fail, naming their node
+                flag = False
+        if flag:
             lazy_chosen = bool(c.reshape(())) == (side == 1)
             if not lazy_chosen and other.shape == shape and other.dtype == np.result_type(a, b):
                 return (other,)  # the chosen tensor itself, as an unfused Where's copy of it would be
