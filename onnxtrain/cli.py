@@ -851,7 +851,9 @@ def _guarded(a: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED if signum is None else 128 + signum
     except ConfigError as e:
         where = getattr(a, "config", None)
-        where = where if where and where not in str(e) else None  # the message may name the file itself
+        # a message about the file itself (no key) may name it already; one about a key is led by file:line
+        # even when it shows the file elsewhere (a suggested command line)
+        where = where if where and (e.path or where not in str(e)) else None
         if e.path.startswith("--"):  # an option at fault (--resume), not a key of the file
             where = None
         # (--output-dir stands for output.dir: a value given on the command line, as --set's)
