@@ -341,7 +341,12 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     loss32 = loss
     if phys.get(loss) != TensorProto.FLOAT:
         if phys.get(loss) not in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
-            raise ValueError(f"mixed_precision: the loss {loss!r} must be a float32 value")
+            got = phys.get(loss)
+            kind = TensorProto.DataType.Name(got).lower() if got else "of unknown type"
+            raise ValueError(f"mixed precision (TrainingParameters.use_mixed_precision, generate_artifacts' "
+                             f"mixed_precision): the loss {loss!r} is {kind}, not float32: mixed precision "
+                             "trains a float32 model (float32 master weights, computed in the half type); "
+                             "train this model without it")
         loss32 = as_type(loss, TensorProto.FLOAT)
     nodes.append(helper.make_node("Mul", [loss32, loss_scale_name], [scaled_loss_name],
                                   name=names("LossScale_Mul")))

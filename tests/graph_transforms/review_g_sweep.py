@@ -71,9 +71,10 @@ def conv_model() -> onnx.ModelProto:
 
 
 def mse_model() -> onnx.ModelProto:
-    """x[N,5] → Gemm W, b (transB) → Tanh → MatMul V → mean squared error to y, of Sub, Mul, ReduceMean."""
+    """x[N,5] → Gemm W, b (transB; b starts at zero: Lamb's trust ratio is then 1) → Tanh → MatMul V → mean
+    squared error to y, of Sub, Mul, ReduceMean."""
     rng = np.random.default_rng(103)
-    inits = [_init(rng, "W", (6, 5), 0.5), _init(rng, "b", (6,), 0.1), _init(rng, "V", (6, 3), 0.5)]
+    inits = [_init(rng, "W", (6, 5), 0.5), _init(rng, "b", (6,), 0.0), _init(rng, "V", (6, 3), 0.5)]
     nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["h"], transB=1),
              helper.make_node("Tanh", ["h"], ["a"]),
              helper.make_node("MatMul", ["a", "V"], ["out"]), helper.make_node("Sub", ["out", "y"], ["d"]),

@@ -117,3 +117,33 @@ def test_max_norm_clip_under_legacy_cpu_adam_is_named() -> None:
     got = sess.get_state()
     for name, v in oracle.state().items():
         np.testing.assert_allclose(got[name].astype(np.float64), v, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+def test_mixed_precision_of_a_float64_model_names_the_option_and_the_type() -> None:
+    """use_mixed_precision on a float64 model: the error said only "mixed_precision: the loss 'loss' must be a
+    float32 value"; it names the option and the loss's type now."""
+    from onnx import TensorProto, numpy_helper
+
+    model = sweep.mse_model()
+    for i, t in enumerate(model.graph.initializer):
+        model.graph.initializer[i].CopyFrom(numpy_helper.from_array(
+            numpy_helper.to_array(t).astype(np.float64), t.name))
+    for v in [*model.graph.input, *model.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.DOUBLE
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    p.use_mixed_precision = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"use_mixed_precision.*the loss 'loss' is double, not float32"):
+            TrainingSession(model.SerializeToString(), p)
+    p.use_mixed_precision = False  # (the same model trains in float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sess = TrainingSession(model.SerializeToString(), p)
+    feed = {k: v.astype(np.float64) for k, v in sweep.batch("mse", np.random.default_rng(1)).items()}
+    loss, = sess.run(["loss"], {**feed, "Learning_Rate": np.array([0.01], np.float32)})
+    weights = {t.name: torch.from_numpy(numpy_helper.to_array(t)) for t in model.graph.initializer}
+    want, _ = sweep.forward("mse", weights, feed)
+    assert loss.dtype == np.float64 and abs(float(loss) - float(want)) < 1e-12
