@@ -744,6 +744,11 @@ def peer_case(seed: int):
             if opt == "AdamOptimizer":
                 load.update({f"Update_Count_{w}": np.array([rng.integers(1, 6)], np.int64) for w in trained})
         steps.append(PeerStep(feed, ["loss", "logits", *extra], load=load, strict=True))
+        # (1.16.3 takes every input on a run of the path to its fetches alone, as on others)
+        if extra and rng.random() < 0.3:  # the gradients or their norm alone: the path to them, no update
+            steps.append(PeerStep(feed, extra, {"only_execute_path_to_fetches": True}))
+        if rng.random() < 0.2:  # an evaluation of the logits
+            steps.append(PeerStep(feed, ["logits"], {"only_execute_path_to_fetches": True}))
     case = PeerCase(model, params, steps, initial_state=initial,
                     ours={"legacy_cpu_adam": True} if opt == "AdamOptimizer" else {})
     return case, trained
