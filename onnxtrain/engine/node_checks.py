@@ -308,6 +308,10 @@ def _output_types(node: onnx.NodeProto, form: _Form, outs: Sequence[str], bound:
                 t = _body_type(node, j)
             elif op == "SequenceConstruct" and node.input and node.input[0] in types:
                 t = f"seq({types[node.input[0]]})"  # (its elements' type: S is bound by no input)
+            elif op == "LayerNormalization" and j > 0:  # Mean and InvStdDev: U, bound by stash_type
+                stash = next((a.i for a in node.attribute if a.name == "stash_type"
+                              and a.type == AttributeProto.INT), TensorProto.FLOAT)
+                t = _TENSOR_TYPES.get(stash)
         if t is not None:
             out.append((j, t))
     return out

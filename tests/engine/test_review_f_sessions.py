@@ -353,13 +353,6 @@ def test_a_run_stopped_before_a_fused_step_names_a_node_of_the_graph() -> None:
     assert "/gelu/Div" in named  # the fused GELU's first node
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "onnxtrain/engine/fusion/gemm.py: _fits_onto lets np.broadcast_shapes' ValueError escape for a bias that "
-    "does not broadcast, so the run fails naming the fused step 'FusedMatMulAdd(/lin/Add)' as a plain "
-    "EngineError; fix: return False on that ValueError (the unfused Add then raises, naming '/lin/Add'). "
-    "Not done here: tests/engine/test_matmul_bias_shapes.py::"
-    "test_matmul_bias_add_right_when_the_shapes_change_between_runs pins broadcast_shapes' wording ('cannot "
-    "be broadcast'; numpy's Add says 'could not be broadcast') and must change with it"))
 def test_a_bias_that_does_not_broadcast_fails_as_the_unfused_add() -> None:
     """A MatMul's product plus a bias fed at run time of a size that does not broadcast onto it: onnxruntime
     (the oracle) fails naming the Add node, and so does the unfused plan (a NodeRuntimeException,
@@ -432,12 +425,6 @@ def test_a_lazy_select_of_operands_that_do_not_broadcast_fails_as_the_unfused_no
         np.testing.assert_array_equal(sess.run(None, feed)[0], want)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "onnxtrain/engine/node_checks.py: _output_types knows no type for LayerNormalization's Mean and "
-    "InvStdDev (type variable U, bound by no input: its stash_type attribute, 1 = float by default, gives "
-    "it), so a graph declaring them float16 is taken and the run returns float32 arrays for outputs "
-    "get_outputs() says are tensor(float16). Fix: type LayerNormalization's outputs 1 and 2 by stash_type, "
-    "as _TYPED_BY_ATTRIBUTE does for Cast's"))
 def test_layer_norm_statistics_declared_of_another_type_than_stash_type_are_refused() -> None:
     """onnxruntime (the oracle) refuses a model whose LayerNormalization's Mean is declared float16 while its
     stash_type (float, the default) makes it float32: a Fail at load naming the output's type. onnxtrain

@@ -603,7 +603,10 @@ def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
 
 @functools.lru_cache(maxsize=256)
 def _fits_onto(shape: tuple[int, ...], other: tuple[int, ...]) -> bool:
-    """Whether ``other`` broadcasts onto ``shape`` without growing it (np.broadcast_shapes, whose ValueError
-    for shapes that do not broadcast is raised each time: exceptions are not cached), remembered per pair
-    of shapes: the Add after a MatMul asks at every run, and numpy's answer costs as much as a small Add."""
-    return np.broadcast_shapes(shape, other) == shape
+    """Whether ``other`` broadcasts onto ``shape`` without growing it, remembered per pair of shapes: the Add
+    after a MatMul asks at every run, and numpy's answer costs as much as a small Add. Shapes that do not
+    broadcast at all answer False: the unfused Add then fails, naming its node."""
+    try:
+        return np.broadcast_shapes(shape, other) == shape
+    except ValueError:
+        return False
