@@ -426,6 +426,12 @@ class CheckpointState:
             else:
                 self._properties[name] = value
         self._optimizer: _OptimizerState | None = None
+        # the file's other optimizer groups, which no Optimizer trains (onnxruntime's trains group0 alone):
+        # kept as read and saved with the optimizer state, as onnxruntime-training keeps them
+        self._other_groups = [OptimizerGroup(g.name, int(g.step), float(g.initial_lr),
+                                             {p: {k: _owned(np.asarray(v)) for k, v in m.items()}
+                                              for p, m in g.states.items()})
+                              for g in checkpoint.optimizer_groups if g.name != GROUP_NAME]
         for g in checkpoint.optimizer_groups:
             if g.name == GROUP_NAME:
                 moments = {p: {k: _owned(np.asarray(v)) for k, v in m.items()} for p, m in g.states.items()}
@@ -480,6 +486,8 @@ class CheckpointState:
             groups.append(OptimizerGroup(GROUP_NAME, opt.step, opt.initial_lr, opt.moments))
             digest = _parameters_digest(trainable)
             props[LEARNING_RATE_PROPERTY] = f"{float(opt.lr)!r}@{int(opt.step)}#{digest}"
+        if include_optimizer_state:
+            groups += self._other_groups
         scaler = self._loss_scaler_state()
         if scaler is not None:
             props[LOSS_SCALER_PROPERTY] = json.dumps({"loss_scale": scaler[0], "stable_steps": scaler[1]})
