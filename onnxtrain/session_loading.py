@@ -26,7 +26,7 @@ def optimized_model_path(options: SessionOptions) -> str:
         warn(f"SessionOptions.optimized_model_filepath {path!r}: onnxtrain writes an ONNX model (protobuf) "
              "there, not onnxruntime's ORT format; name it .onnx, or convert it with onnxruntime's "
              "convert_onnx_models_to_ort")
-    elif config_entries(options).get(_SAVE_FORMAT) == "ORT":  # (onnxruntime writes its ORT format then)
+    elif config_entry(options, _SAVE_FORMAT) == "ORT":  # (onnxruntime writes its ORT format then)
         warn(f"session config entry {_SAVE_FORMAT} = 'ORT': onnxtrain writes an ONNX model (protobuf) to "
              f"SessionOptions.optimized_model_filepath {path!r}, not onnxruntime's ORT format; convert it "
              "with onnxruntime's convert_onnx_models_to_ort")
@@ -41,7 +41,7 @@ def refuse_disabled_cpu_fallback(options: Any, providers: Any) -> None:
     """Refuse session config entry ``session.disable_cpu_ep_fallback = "1"`` for a session of the numpy
     engine, which runs every node on the CPU: as onnxruntime refuses it (an InvalidArgument when the CPU
     provider is among ``providers``, else a Fail: its nodes would fall back to the CPU)."""
-    if config_entries(options).get(_NO_CPU_FALLBACK) != "1":
+    if config_entry(options, _NO_CPU_FALLBACK) != "1":
         return
     names = [p[0] if isinstance(p, (tuple, list)) and p else p for p in providers or ()]
     if "CPUExecutionProvider" in names:
@@ -269,11 +269,10 @@ def warn_config_not_applied(options: Any) -> None:
     """Warn of each session config entry of ``options`` that asks, at the options' graph optimization level,
     for what the numpy engine does not do (:data:`_NOT_APPLIED`), naming it: a run's values would differ
     from onnxruntime's without a word."""
-    config = config_entries(options)
     level = getattr(options, "graph_optimization_level", None)
     level = int(GraphOptimizationLevel.ORT_ENABLE_ALL if level is None else level)
     for key, (value, lowest, instead) in _NOT_APPLIED.items():
-        if config.get(key) == value and level >= lowest:
+        if config_entry(options, key) == value and level >= lowest:
             warn(f"session config entry {key} = {value!r} has no effect on the numpy engine, which "
                  f"{instead}: such values differ (the onnxruntime backend, config entry onnxtrain.backend, "
                  "applies it)")
@@ -282,3 +281,19 @@ def warn_config_not_applied(options: Any) -> None:
 def config_entries(options: Any) -> dict[str, str]:
     """The session config entries of ``options`` (onnxtrain's SessionOptions; others: none read)."""
     return dict(getattr(options, "_config", {}) or {})
+
+
+def config_entry(options: Any, key: str) -> str | None:
+    """The session config entry ``key`` of ``options`` as set, unstripped (None when unset): onnxtrain's
+    SessionOptions, or onnxruntime's, whose entries cannot be listed but are read one by one (a session
+    given onnxruntime's options with an entry that changes its values is warned, or refused, as with
+    onnxtrain's)."""
+    if isinstance(options, SessionOptions) or hasattr(options, "_config"):
+        return config_entries(options).get(key)
+    getter = getattr(options, "get_session_config_entry", None)
+    if getter is None:
+        return None
+    try:
+        return str(getter(key))
+    except Exception:  # noqa: BLE001 - onnxruntime's RuntimeError for an entry not set
+        return None

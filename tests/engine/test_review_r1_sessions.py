@@ -1,0 +1,127 @@
+"""Review R1 of the session commits of review F: the same faults on neighbouring paths (onnxruntime's own
+SessionOptions given to an onnxtrain session; a Sum the fusions expand into Adds)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnxtrain
+
+F = TensorProto.FLOAT
+
+
+def _product_model() -> bytes:
+    """c = a · b, elementwise, of three floats."""
+    g = helper.make_graph([helper.make_node("Mul", ["a", "b"], ["c"])], "g",
+                          [helper.make_tensor_value_info("a", F, [3]),
+                           helper.make_tensor_value_info("b", F, [3])],
+                          [helper.make_tensor_value_info("c", F, [3])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+# in a process of its own (the entry sets the thread's FTZ/DAZ flags): onnxruntime's values with the entry
+_ORT_FLUSHES = textwrap.dedent("""
+    import sys, numpy as np, onnxruntime as ort
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.set_denormal_as_zero", "1")
+    s = ort.InferenceSession(sys.stdin.buffer.read(), so, providers=["CPUExecutionProvider"])
+    c, = s.run(None, {"a": np.array([1e-39, 1e-20, 1.0], np.float32),
+                      "b": np.array([1.0, 1e-20, 1e-39], np.float32)})
+    print(c.tolist())
+""")
+
+
+def test_onnxruntimes_options_with_set_denormal_as_zero_are_warned_of() -> None:
+    """onnxtrain's session takes onnxruntime's own SessionOptions, and reads their config entries
+    (onnxtrain.backend: engine/backends.session_config_entry). ``session.set_denormal_as_zero = "1"`` set on
+    them flushes subnormal results to
+    zero in onnxruntime (the oracle, in a process of its own) while the numpy engine keeps them: the warning
+    review F added for onnxtrain's SessionOptions was not given for onnxruntime's (config_entries reads
+    onnxtrain's only)."""
+    out = subprocess.run([sys.executable, "-c", _ORT_FLUSHES], input=_product_model(), capture_output=True,
+                         check=True, timeout=60).stdout.decode()
+    assert [float(v) for v in out.strip()[1:-1].split(",")] == [0.0, 0.0, 0.0]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")
+    with pytest.warns(UserWarning, match=r"session\.set_denormal_as_zero"):
+        sess = onnxtrain.InferenceSession(_product_model(), options)
+    c, = sess.run(None, {"a": np.array([1e-39, 1e-20, 1.0], np.float32),
+                         "b": np.array([1.0, 1e-20, 1e-39], np.float32)})
+    assert np.all(c > 0)  # (the numpy engine keeps them, as the warning says)
+
+
+def _gelu_model() -> bytes:
+    """The exported erf GELU of x, which onnxruntime's optimization.enable_gelu_approximation replaces."""
+    consts = [helper.make_tensor(n, F, [], [v]) for n, v in (("s", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    nodes = [helper.make_node("Div", ["x", "s"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["f"]), helper.make_node("Mul", ["x", "f"], ["g"]),
+             helper.make_node("Mul", ["g", "half"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [200])],
+                          [helper.make_tensor_value_info("y", F, [200])], consts)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_onnxruntimes_options_with_gelu_approximation_are_warned_of() -> None:
+    """The same for ``optimization.enable_gelu_approximation``: onnxruntime with that very options object
+    gives other values (the oracle: up to 5e-4 from the erf GELU), onnxtrain must say it does not apply it."""
+    x = np.linspace(-4, 4, 200).astype(np.float32)
+    options = ort.SessionOptions()
+    cpu = ["CPUExecutionProvider"]
+    plain = ort.InferenceSession(_gelu_model(), options, providers=cpu).run(None, {"x": x})[0]
+    options.add_session_config_entry("optimization.enable_gelu_approximation", "1")
+    approx = ort.InferenceSession(_gelu_model(), options, providers=cpu).run(None, {"x": x})[0]
+    assert np.abs(approx - plain).max() > 1e-4
+    with pytest.warns(UserWarning, match=r"optimization\.enable_gelu_approximation"):
+        sess = onnxtrain.InferenceSession(_gelu_model(), options)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("providers", [None, ["CPUExecutionProvider"]])
+def test_onnxruntimes_options_disabling_cpu_fallback_are_refused_as_onnxruntime_does(providers) -> None:
+    """``session.disable_cpu_ep_fallback = "1"`` on onnxruntime's SessionOptions: onnxruntime refuses the
+    session with those very options (Fail, or InvalidArgument with the CPU provider asked for); onnxtrain's
+    numpy engine ran every node on the CPU without a word."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    kind = {}
+    for lib in (ort, onnxtrain):
+        with pytest.raises(Exception) as e:  # noqa: PT011 - onnxruntime's classes are no RuntimeErrors
+            lib.InferenceSession(_product_model(), options, providers=providers)
+        kind[lib.__name__] = type(e.value).__name__
+    assert kind["onnxtrain"] == kind["onnxruntime"]
+    assert "session.disable_cpu_ep_fallback" in str(e.value)
+
+
+def test_onnxruntimes_options_asking_the_ort_format_are_warned_of(tmp_path) -> None:
+    """``session.save_model_format = "ORT"`` on onnxruntime's SessionOptions: onnxruntime writes its ORT
+    format (the oracle: the file does not parse as ONNX); onnxtrain writes ONNX and must say so."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.save_model_format", "ORT")
+    options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    ort.InferenceSession(_product_model(), options, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception):  # noqa: B017, PT011 - protobuf's DecodeError, whatever onnx wraps it in
+        onnx.load(str(tmp_path / "ort.onnx"))
+    options.optimized_model_filepath = str(tmp_path / "ours.onnx")
+    with pytest.warns(UserWarning, match=r"session\.save_model_format"):
+        onnxtrain.InferenceSession(_product_model(), options)
+
+
+def test_onnxruntimes_options_without_such_entries_are_taken_quietly() -> None:
+    """The other side: onnxruntime's options with those entries unset or "0" give no warning."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.set_denormal_as_zero", "0")
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sess = onnxtrain.InferenceSession(_product_model(), options)
+    c, = sess.run(None, {"a": np.ones(3, np.float32), "b": np.full(3, 2, np.float32)})
+    np.testing.assert_array_equal(c, np.full(3, 2, np.float32))
