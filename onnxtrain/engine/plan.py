@@ -9,6 +9,7 @@ floating-point warning: its kernels' infs and NaNs are their IEEE results, as in
 from __future__ import annotations
 
 import gc
+import json
 import operator
 import threading
 import time
@@ -334,12 +335,16 @@ class Plan(GraphInterface):
         if isinstance(e, EngineError):
             raise e
         node = st.node
-        shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(node.input, vals))
-        made = next((o for o in node.output if o), "")
-        label = repr(node.name) if node.name or not made else f"(unnamed, making {made!r})"
-        cls = node_failure_class(node.op_type, e)
-        raise cls(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: {type(e).__name__}: {e}"
-                  ) from e
+        name, op, names, outs = node.name, node.op_type, list(node.input), list(node.output)
+        origin = expanded_sum(node)
+        if origin is not None:  # one of the Adds of a Sum expand_sums made: the Sum is the graph's node
+            name, made, summed = origin
+            op, names, outs = "Sum", [summed, *names[1:]], [made]
+        shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(names, vals))
+        made = next((o for o in outs if o), "")
+        label = repr(name) if name or not made else f"(unnamed, making {made!r})"
+        cls = node_failure_class(op, e)
+        raise cls(f"node {label} ({op}) failed on inputs [{shapes}]: {type(e).__name__}: {e}") from e
 
     def run(
         self,
@@ -680,11 +685,39 @@ def fused_members(node: onnx.NodeProto) -> list[str] | None:
     return node.doc_string[len(FUSED_FROM):].split(", ")
 
 
+EXPANDED_SUM = "an Add of Sum: "  # how the doc_string of an Add that expand_sums makes of a Sum starts
+
+
+def expanded_sum_doc(node: onnx.NodeProto, summed: Sequence[str]) -> str:
+    """The doc_string of an Add that ``expand_sums`` makes of the Sum ``node``, adding its next input to the
+    sum of its inputs ``summed``: what names the Sum when the Add fails or a run stops before it."""
+    return EXPANDED_SUM + json.dumps([node.name, node.output[0] if node.output else "", " + ".join(summed)])
+
+
+def expanded_sum(node: onnx.NodeProto) -> tuple[str, str, str] | None:
+    """For an Add that ``expand_sums`` made of a Sum: the Sum's name, its output and the inputs summed
+    before the Add's second (``"a + b"``); None for any other node."""
+    if node.op_type != "Add" or not node.doc_string.startswith(EXPANDED_SUM):
+        return None
+    name, made, summed = json.loads(node.doc_string[len(EXPANDED_SUM):])
+    return name, made, summed
+
+
+def graph_label(node: onnx.NodeProto) -> str:
+    """The name of the graph's node that a step's (unfused) ``node`` runs (an unnamed one: its op): the Sum,
+    for one of the Adds expand_sums made of it."""
+    origin = expanded_sum(node)
+    if origin is not None:
+        return origin[0] or "Sum"
+    return node.name or node.op_type
+
+
 def _next_node(node: onnx.NodeProto) -> str:
     """The node of the graph that a step runs first (a fused step's first member), for a stopped run's
-    message: a fused step's own name ('FusedElementwise(...)') is no node of the model."""
+    message: a fused step's own name ('FusedElementwise(...)') is no node of the model, nor is an Add that
+    expand_sums made of a Sum."""
     members = fused_members(node)
-    return members[0] if members else node.name or node.op_type
+    return members[0] if members else graph_label(node)
 
 
 def _ranks_of(model: onnx.ModelProto) -> Callable[[str], int | None]:

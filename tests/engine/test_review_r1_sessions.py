@@ -3,6 +3,7 @@ SessionOptions given to an onnxtrain session; a Sum the fusions expand into Adds
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -125,3 +126,86 @@ def test_onnxruntimes_options_without_such_entries_are_taken_quietly() -> None:
         sess = onnxtrain.InferenceSession(_product_model(), options)
     c, = sess.run(None, {"a": np.ones(3, np.float32), "b": np.full(3, 2, np.float32)})
     np.testing.assert_array_equal(c, np.full(3, 2, np.float32))
+
+
+def _sum_model(name: str, first: str | None = "Exp") -> bytes:
+    """y = tanh(first(a) + b + c) (without ``first``: tanh(a + b + c)) with a Sum of three inputs (the
+    fusions expand it into two Adds); a, b, c of their own dims, so a run may feed sizes that do not
+    broadcast."""
+    nodes = [helper.make_node(first, ["a"], ["ea"], name="/first")] if first else []
+    nodes += [helper.make_node("Sum", ["ea" if first else "a", "b", "c"], ["s"], name=name),
+              helper.make_node("Tanh", ["s"], ["y"], name="/tanh")]
+    inputs = [helper.make_tensor_value_info(n, F, [d]) for n, d in zip("abc", "PQR")]
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", F, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("name", ["/sum", ""])
+def test_a_sum_of_operands_that_do_not_broadcast_fails_naming_the_sum(name: str) -> None:
+    """Review F made fused steps fail as their graph nodes (cfb631e0, 996f8942); the fusions' expansion of a
+    Sum into Adds ((a + b) + c, fusion/elementwise.expand_sums) still failed naming 'node '/sum/add_2' (Add)'
+    on inputs 's/partial_sum_1' and 'c', no node nor value of the model. onnxruntime 1.32 (the oracle) fails
+    naming the Sum node, as the unfused plan does (graph optimizations off), of the same class."""
+    model = _sum_model(name)
+    feeds = {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32), "c": np.ones(3, np.float32)}
+    with pytest.raises(Exception) as want:  # noqa: PT011 - onnxruntime's Fail is no RuntimeError
+        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert f"running Sum node. Name:'{name}'" in str(want.value)
+    errors = []
+    levels = onnxtrain.GraphOptimizationLevel
+    for level in (levels.ORT_DISABLE_ALL, levels.ORT_ENABLE_ALL):
+        options = onnxtrain.SessionOptions()
+        options.graph_optimization_level = level
+        sess = onnxtrain.InferenceSession(model, options)
+        # (what the test is about: the Sum is expanded when optimizing, not when not)
+        assert any(st.node.op_type == "Sum" for st in sess._plan.steps) == (not level)
+        with pytest.raises(RuntimeError) as e:
+            sess.run(None, feeds)
+        errors.append(e.value)
+    label = f"'{name}'" if name else "(unnamed, making 's')"
+    for e in errors:
+        assert f"node {label} (Sum) failed" in str(e), e
+        assert "add_" not in str(e) and "partial_sum" not in str(e), e
+    assert type(errors[1]) is type(errors[0])
+
+
+class _StopAtRead(onnxtrain.RunOptions):
+    """RunOptions whose ``terminate`` reads True from its ``at``-th read on (a stop before each step in
+    turn)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_at", at)
+        object.__setattr__(self, "_reads", 0)
+
+    def __getattribute__(self, name: str):
+        if name == "terminate":
+            reads = object.__getattribute__(self, "_reads") + 1
+            object.__setattr__(self, "_reads", reads)
+            return reads >= object.__getattribute__(self, "_at")
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("first", ["Exp", None])
+def test_a_run_stopped_before_an_expanded_sum_names_a_node_of_the_graph(first: str | None) -> None:
+    """A run stopped by ``RunOptions.terminate`` names the node it stopped before (64332ec5: a fused step's
+    first graph node). A fused step that begins with a Sum the fusions expanded named its first Add,
+    '/sum/add_1', no node of the model; every name must be one of the graph's nodes (the oracle: the
+    model's own node list), the Sum where the run stops before it."""
+    model = _sum_model("/sum", first)
+    names = {n.name for n in onnx.load_from_string(model).graph.node}
+    sess = onnxtrain.InferenceSession(model)
+    assert not any(st.node.op_type == "Sum" for st in sess._plan.steps)  # (expanded)
+    x = np.ones(4, np.float32)
+    named = []
+    for at in range(1, 20):
+        try:
+            sess.run(None, {"a": x, "b": x, "c": x}, _StopAtRead(at))
+            break
+        except RuntimeError as e:
+            assert "terminate" in str(e), e
+            found = re.search(r"before node '([^']*)'", str(e))  # (none: stopped before the run began)
+            if found:
+                named.append(found.group(1))
+    assert named and all(n in names for n in named), named
+    assert named[0] == ("/first" if first else "/sum"), named

@@ -222,7 +222,7 @@ def slot_names(plan: Plan) -> dict[int, str]:
 def synthetic_step(
     plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
 ) -> tuple[onnx.NodeProto, Attrs]:
-    from onnxtrain.engine.plan import FUSED_DOMAIN, FUSED_FROM, fused_members
+    from onnxtrain.engine.plan import FUSED_DOMAIN, FUSED_FROM, fused_members, graph_label
 
     names = slot_names(plan)
     node = helper.make_node(
@@ -232,8 +232,12 @@ def synthetic_step(
         name=name,
         domain=FUSED_DOMAIN,
     )
-    # the graph's nodes, in order (a member that is itself a fused step: its own)
-    labels = [label for m in members for label in fused_members(m.node) or [m.node.name or m.node.op_type]]
+    # the graph's nodes, in order (a member that is itself a fused step: its own; the Adds of an expanded Sum:
+    # the Sum, once)
+    labels: list[str] = []
+    for label in (label for m in members for label in fused_members(m.node) or [graph_label(m.node)]):
+        if not labels or labels[-1] != label:
+            labels.append(label)
     node.doc_string = FUSED_FROM + ", ".join(labels)
     attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
     return node, attrs

@@ -53,7 +53,7 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
 
     Only Sums known to be of float32, float64 or a non-float type: the Sum kernel adds float16/bfloat16 in
     float32 and rounds once, which Adds in the half type would not reproduce (nor one of unknown type)."""
-    from onnxtrain.engine.plan import Step
+    from onnxtrain.engine.plan import Step, expanded_sum_doc
 
     add = find_kernel("Add", plan.opset, "")
     name_of = {v: k for k, v in plan.slot.items()}
@@ -83,6 +83,8 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
             node = helper.make_node(
                 "Add", [name_of[acc], name_of[s]], [name_of[dst]], name=f"{st.node.name or 'Sum'}/add_{i}"
             )
+            # (a failure or a stop before it names the Sum, the graph's node: Plan._raise_failed, _next_node)
+            node.doc_string = expanded_sum_doc(st.node, st.node.input[:i])
             attrs = Attrs({}, "Add", node.name, plan.opset, 1, (True,))
             out.append(Step(add, (acc, s), (dst,), attrs, (), node))
             acc = dst
