@@ -69,6 +69,10 @@ class _TornRead(ValueError):
     """The main file and the .data read are of different saves."""
 VERSION = 2
 _READABLE_VERSIONS = (1, 2)
+# onnxruntime-training verifies a checkpoint with FlatBuffers' default verifier options, which refuse a buffer
+# of more than a million tables ("Checkpoint verification failed"; 1.19.2 loads 1,000,000 and refuses
+# 1,000,001): a save past it warns that onnxruntime-training cannot load the file (onnxtrain can)
+ORT_MAX_TABLES = 1_000_000
 # ONNX element types stored as raw little-endian bytes: every numeric type of whole bytes
 # (strings and the packed 2/4/6-bit types are not checkpoint parameters).
 _SUPPORTED = frozenset(range(1, 8)) | frozenset(range(9, 21)) | {24}
@@ -104,6 +108,7 @@ class Checkpoint:
 def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
     """Serialize ``ckpt`` as one buffer, all tensor data inline (refused above FlatBuffers' 2 GiB)."""
     _check_reserved(ckpt)
+    _warn_past_table_limit(ckpt, "the checkpoint")
     size = 0 if ckpt.nominal else _data_bytes(ckpt)
     if size > flatbuf.MAX_SIZE:  # (refused before a buffer of that size is built)
         raise ValueError(f"the checkpoint's tensors hold {size} bytes, more than one FlatBuffer can (2 GiB); "
@@ -154,6 +159,7 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
     if external:
         token = os.urandom(16)
         ckpt = dataclasses.replace(ckpt, properties={**ckpt.properties, DATA_TOKEN: token.hex()})
+    _warn_past_table_limit(ckpt, f"checkpoint {path}")
     main, arrays = _encode(ckpt, external, sort_parameters)
     data_path = path + ".data"
     if external:  # renamed before the main file that refers to it
@@ -309,6 +315,28 @@ def _check_reserved(ckpt: Checkpoint) -> None:
     if DATA_TOKEN in ckpt.properties:
         raise ValueError(f"property {DATA_TOKEN!r} is reserved: a save with external data writes it, and "
                          "loads take it out; give the property another name")
+
+
+def _table_count(ckpt: Checkpoint) -> int:
+    """The FlatBuffers tables of ``ckpt`` as :func:`_encode` writes it (what a verifier counts): the root and
+    the module state, a tensor per parameter and moment, a state per parameter of a group, each group, the
+    property bag and each property."""
+    count = 2 + len(ckpt.trainable) + len(ckpt.frozen)
+    for g in ckpt.optimizer_groups:
+        count += 1 + sum(1 + len(moments) for moments in g.states.values())
+    return count + (1 + len(ckpt.properties) if ckpt.properties else 0)
+
+
+def _warn_past_table_limit(ckpt: Checkpoint, what: str) -> None:
+    """A warning when onnxruntime-training cannot load ``ckpt`` for its number of tables (ORT_MAX_TABLES)."""
+    count = _table_count(ckpt)
+    if count > ORT_MAX_TABLES:
+        moments = sum(len(m) for g in ckpt.optimizer_groups for m in g.states.values())
+        params = len(ckpt.trainable) + len(ckpt.frozen)
+        warn(f"{what} is written as {count} FlatBuffers tables ({params} parameters, {moments} optimizer "
+             f"moments, {len(ckpt.properties)} properties): onnxruntime-training refuses to load a "
+             f"checkpoint of more than {ORT_MAX_TABLES} ('Checkpoint verification failed'); onnxtrain "
+             "loads it")
 
 
 def _fits_inline(ckpt: Checkpoint, size: int, sort_parameters: bool) -> bool:

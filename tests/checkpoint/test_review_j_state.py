@@ -2,20 +2,28 @@
 
 A state loaded from a file and saved again with its optimizer state keeps what onnxruntime-training keeps:
 every optimizer group of the file (onnxruntime's Optimizer trains ``group0`` only, but its state holds and
-saves the others as read), with their step, initial learning rate and moments.
+saves the others as read), with their step, initial learning rate and moments. A save past the number of
+FlatBuffers tables onnxruntime-training's verifier takes (a million) warns that it cannot load the file.
 """
 
 from __future__ import annotations
 
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
 
-from onnxtrain.checkpoint import Checkpoint, OptimizerGroup, load_checkpoint, save_checkpoint
+from onnxtrain.checkpoint import (
+    Checkpoint,
+    OptimizerGroup,
+    checkpoint_to_bytes,
+    load_checkpoint,
+    save_checkpoint,
+)
 from onnxtrain.training.api import CheckpointState
 from onnxtrain.training.api.checkpoint_state import LEARNING_RATE_PROPERTY
-from tests.checkpoint.test_checkpoint import _array, _same
+from tests.checkpoint.test_checkpoint import _array, _same, fbs  # noqa: F401 (a fixture)
 from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 # Loads each file with onnxruntime-training's CheckpointState and saves it to <file>.ort, with or without
@@ -66,3 +74,96 @@ def test_every_optimizer_group_survives_a_load_and_save(tmp_path, names):
         got.properties.pop(LEARNING_RATE_PROPERTY, None)  # onnxtrain's current rate, with group0
         assert got.properties == want.properties
     assert [g.name for g in load_checkpoint(f"{src}.ort.1").optimizer_groups] == sorted(names)
+
+
+# ---------------------------------------------------------------- onnxruntime-training's table limit
+
+def _walked_tables(fbs, data: bytes) -> int:  # noqa: F811
+    """The tables of a checkpoint file, counted by walking it with onnxruntime's generated readers."""
+    root = fbs.CheckpointFb.Checkpoint.GetRootAs(data, 0)
+    count = 1
+    module = root.ModuleState()
+    if module is not None:
+        count += 1 + module.RequiresGradParamsLength() + module.FrozenParamsLength()
+    for i in range(root.OptimizerGroupsLength()):
+        group = root.OptimizerGroups(i)
+        count += 1
+        for j in range(group.OptimizerStatesLength()):
+            count += 1 + group.OptimizerStates(j).MomentumsLength()
+    bag = root.PropertyBag()
+    if bag is not None:
+        count += 1 + bag.IntsLength() + bag.FloatsLength() + bag.StringsLength()
+    return count
+
+
+_CASES = {
+    "parameters": lambda: Checkpoint({"w": _array(1, (2, 3)), "b": _array(1, (3,))}, {"f": _array(7, (2,))}),
+    "everything": lambda: Checkpoint({"w": _array(1, (2, 3)), "b": _array(1, (3,), 1)},
+                                     {"f": _array(7, (2,))},
+                                     [OptimizerGroup("group0", 3, 0.1, _moments(0)),
+                                      OptimizerGroup("aux", 1, 0.2, {"w": {"m": _array(1, (2, 3), 9)}})],
+                                     {"epoch": 2, "loss": 0.5, "tag": "x"}),
+    "empty": lambda: Checkpoint(),
+    "nominal": lambda: Checkpoint({"w": _array(1, (2, 3))}, {"f": _array(7, (2,))}, properties={"a": 1},
+                                  nominal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+@pytest.mark.parametrize("threshold", [10**9, 0])
+def test_a_save_past_onnxruntime_trainings_table_limit_warns(fbs, tmp_path, monkeypatch, case,  # noqa: F811
+                                                             threshold):
+    """onnxruntime-training refuses a checkpoint of more than ORT_MAX_TABLES FlatBuffers tables (see the slow
+    test below); onnxtrain wrote one without a word. The count the save checks is that of the file written
+    (walked with onnxruntime's generated readers, .data token property included), and the save warns, naming
+    the file, exactly past the limit."""
+    from onnxtrain.checkpoint import format as fmt
+
+    path = str(tmp_path / "c")
+    save_checkpoint(_CASES[case](), path, external_threshold=threshold)
+    with open(path, "rb") as f:
+        tables = _walked_tables(fbs, f.read())
+    monkeypatch.setattr(fmt, "ORT_MAX_TABLES", tables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_checkpoint(_CASES[case](), path, external_threshold=threshold)
+    monkeypatch.setattr(fmt, "ORT_MAX_TABLES", tables - 1)
+    with pytest.warns(UserWarning, match=f"{path} is written as {tables} FlatBuffers tables.*refuses"):
+        save_checkpoint(_CASES[case](), path, external_threshold=threshold)
+    if threshold:
+        with pytest.warns(UserWarning, match=f"the checkpoint is written as {tables} FlatBuffers tables"):
+            checkpoint_to_bytes(_CASES[case]())
+
+
+_LOADS = PREAMBLE + textwrap.dedent("""
+    from onnxruntime.capi import _pybind_state as C
+    out = []
+    for path in sys.argv[1:]:
+        try:
+            out.append(len(C.load_checkpoint(path).property_names()))
+        except Exception as e:
+            out.append(str(e)[-60:])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_onnxruntime_training_loads_a_million_tables_and_refuses_one_more(tmp_path):
+    """The limit itself, with onnxruntime-training 1.19.2 as the oracle: a file of ORT_MAX_TABLES tables (the
+    root, module state, one parameter, property bag and properties) loads there, one more property is
+    refused; onnxtrain warns for the second save only, and loads both. (About a minute: two 20 MB files.)"""
+    from onnxtrain.checkpoint import format as fmt
+
+    ensure_ortt()
+    props = {f"p{i}": i for i in range(fmt.ORT_MAX_TABLES - 4)}
+    at, past = str(tmp_path / "at"), str(tmp_path / "past")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_checkpoint(Checkpoint({"w": np.ones(2, np.float32)}, properties=props), at)
+    props["one more"] = -1
+    with pytest.warns(UserWarning, match="1000001 FlatBuffers tables"):
+        save_checkpoint(Checkpoint({"w": np.ones(2, np.float32)}, properties=props), past)
+    loaded = run_script(_LOADS, at, past)
+    assert loaded[0] == len(props) - 1
+    assert "Checkpoint verification failed" in loaded[1]
+    assert len(load_checkpoint(past).properties) == len(props)
