@@ -167,3 +167,117 @@ def test_onnxruntime_training_loads_a_million_tables_and_refuses_one_more(tmp_pa
     assert loaded[0] == len(props) - 1
     assert "Checkpoint verification failed" in loaded[1]
     assert len(load_checkpoint(past).properties) == len(props)
+
+
+# ---------------------------------------------------------------- optimizer state saved, resumed
+
+# Generates artifacts (onnxruntime-training's own) for tests/ortt.py's MLP with fc2.bias frozen, trains two
+# steps (lr 0.05) and saves with and without the optimizer state; then, for each situation, saves a state
+# to <folder>/<case>.ort: a) fresh, no Optimizer, b) an Optimizer before any step, c) loaded with optimizer
+# state and only a Module, d) loaded with it, saved without, e) loaded with it, Module and Optimizer; and
+# continues training from <folder>/ours (onnxtrain's save) two steps, to <folder>/ours.ort.
+_OPT_SCRIPT = PREAMBLE + textwrap.dedent("""
+    import os
+    import numpy as np
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+    folder, kind, stage = sys.argv[1], sys.argv[2], sys.argv[3]
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    def train(ckpt, steps):
+        state = CheckpointState.load_checkpoint(ckpt)
+        m = Module(folder + "/training_model.onnx", state)
+        o = Optimizer(folder + "/optimizer_model.onnx", m)
+        o.set_learning_rate(0.05)
+        for _ in range(steps):
+            m(x, y); o.step(); m.lazy_reset_grad()
+        return state
+    if stage == "generate":
+        artifacts.generate_artifacts(onnx.load(folder + "/model.onnx"),
+                                     requires_grad=["fc1.weight", "fc1.bias", "fc2.weight"],
+                                     frozen_params=["fc2.bias"], loss=artifacts.LossType.MSELoss,
+                                     optimizer=getattr(artifacts.OptimType, kind), artifact_directory=folder)
+        state = train(folder + "/checkpoint", 2)
+        CheckpointState.save_checkpoint(state, folder + "/with_opt", True)
+        for case in "abcde":
+            src = folder + ("/with_opt" if case in "cde" else "/checkpoint")
+            state = CheckpointState.load_checkpoint(src)
+            if case in "bce":
+                m = Module(folder + "/training_model.onnx", state)
+            if case in "be":
+                Optimizer(folder + "/optimizer_model.onnx", m)
+            CheckpointState.save_checkpoint(state, f"{folder}/{case}.ort", case != "d")
+    else:
+        CheckpointState.save_checkpoint(train(folder + "/ours", 2), folder + "/ours.ort", True)
+    print(json.dumps("ok"))
+""")
+
+
+def _train_ours(folder: str, ckpt: str, steps: int) -> CheckpointState:
+    from onnxtrain.training.api import Module, Optimizer
+
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    state = CheckpointState.load_checkpoint(ckpt)
+    m = Module(f"{folder}/training_model.onnx", state)
+    o = Optimizer(f"{folder}/optimizer_model.onnx", m)
+    o.set_learning_rate(0.05)
+    for _ in range(steps):
+        m(x, y)
+        o.step()
+        m.lazy_reset_grad()
+    return state
+
+
+def _close(got: Checkpoint, want: Checkpoint) -> None:
+    assert list(got.trainable) == list(want.trainable) and list(got.frozen) == list(want.frozen)
+    for name, arr in {**want.trainable, **want.frozen}.items():
+        np.testing.assert_allclose({**got.trainable, **got.frozen}[name], arr, rtol=1e-5, atol=1e-6)
+    assert [(g.name, g.step, g.initial_lr) for g in got.optimizer_groups] == \
+        [(g.name, g.step, g.initial_lr) for g in want.optimizer_groups]
+    for g, h in zip(got.optimizer_groups, want.optimizer_groups):
+        assert {p: sorted(m) for p, m in g.states.items()} == {p: sorted(m) for p, m in h.states.items()}
+        for p, moments in h.states.items():
+            for k, arr in moments.items():
+                np.testing.assert_allclose(g.states[p][k], arr, rtol=1e-5, atol=1e-7, err_msg=f"{p} {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_optimizer_state_is_saved_and_resumed_as_onnxruntime_training_does(tmp_path, kind):
+    """Against onnxruntime-training 1.19.2, on its own artifacts: which optimizer state a save writes (none
+    without an Optimizer or a loaded one; step 0 and zero moments for a new Optimizer; the loaded step,
+    learning rate and moments kept through a Module alone; nothing with include_optimizer_state=False), and
+    training resumed from each other's files (two more steps) ends on the same parameters and moments."""
+    from tests.ortt import small_mlp
+
+    python = ensure_ortt()
+    folder = str(tmp_path)
+    import onnx
+
+    onnx.save(small_mlp(), f"{folder}/model.onnx")
+    run_script(_OPT_SCRIPT, folder, kind, "generate", python=python)
+    from onnxtrain.training.api import Module, Optimizer
+
+    for case in "abcde":
+        state = CheckpointState.load_checkpoint(f"{folder}/{'with_opt' if case in 'cde' else 'checkpoint'}")
+        if case in "bce":
+            module = Module(f"{folder}/training_model.onnx", state)
+        if case in "be":
+            Optimizer(f"{folder}/optimizer_model.onnx", module)
+        CheckpointState.save_checkpoint(state, f"{folder}/{case}.ours", include_optimizer_state=case != "d")
+        _close(load_checkpoint(f"{folder}/{case}.ours"), load_checkpoint(f"{folder}/{case}.ort"))
+    assert load_checkpoint(f"{folder}/c.ort").optimizer_groups[0].step == 2
+    assert not load_checkpoint(f"{folder}/a.ort").optimizer_groups
+
+    # onnxtrain resumes onnxruntime's file, onnxruntime resumes onnxtrain's, both for two steps
+    CheckpointState.save_checkpoint(_train_ours(folder, f"{folder}/with_opt", 2), f"{folder}/ours",
+                                    include_optimizer_state=True)
+    run_script(_OPT_SCRIPT, folder, kind, "resume", python=python)
+    CheckpointState.save_checkpoint(_train_ours(folder, f"{folder}/ours", 2), f"{folder}/ours.ours",
+                                    include_optimizer_state=True)
+    theirs, ours = load_checkpoint(f"{folder}/ours.ort"), load_checkpoint(f"{folder}/ours.ours")
+    assert theirs.optimizer_groups[0].step == 6
+    theirs.properties.pop(LEARNING_RATE_PROPERTY, None)
+    ours.properties.pop(LEARNING_RATE_PROPERTY, None)
+    _close(ours, theirs)
