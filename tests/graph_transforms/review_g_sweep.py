@@ -614,6 +614,8 @@ def run_case(case: Case, check_every_update: bool = True) -> dict[str, Any]:
         if mp and (last or rng.random() < 0.3):
             fetch.append(FINITE)
         lr = np.array([rng.uniform(0.005, 0.05)], np.float32)
+        if case.mode == "auto":  # the session counts the micro-steps (and a new session starts a cycle)
+            assert sess.next_run_updates == last, (case.seed, k, "next_run_updates")
         if case.mode == "legacy" and not last:
             names = [*fetch, GROUP]
             got = dict(zip(names, sess.run(names, feed, path)))
