@@ -209,3 +209,40 @@ def test_a_run_stopped_before_an_expanded_sum_names_a_node_of_the_graph(first: s
                 named.append(found.group(1))
     assert named and all(n in names for n in named), named
     assert named[0] == ("/first" if first else "/sum"), named
+
+
+def test_a_float16_bias_that_does_not_broadcast_fails_as_the_unfused_add() -> None:
+    """996f8942 made the fused MatMul + Add step answer a bias that does not broadcast onto the product by
+    running the unfused Add, which fails naming its node; its float16 path (kernels/matmul.half_product_plus,
+    tried first for float16 operands) still let np.broadcast_shapes' ValueError escape: the run failed naming
+    'FusedMatMulAdd(/lin/Add)', no node of the model, as a plain EngineError. onnxruntime 1.32 (the oracle)
+    fails naming the Add node, as the unfused plan does, of the same class."""
+    half = TensorProto.FLOAT16
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="/lin/MatMul"),
+             helper.make_node("Add", ["m", "b"], ["y"], name="/lin/Add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", half, ["N", 4]),
+                                       helper.make_tensor_value_info("w", half, [4, 3]),
+                                       helper.make_tensor_value_info("b", half, ["B"])],
+                          [helper.make_tensor_value_info("y", half, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    feeds = {"x": np.ones((2, 4), np.float16), "w": np.ones((4, 3), np.float16), "b": np.ones(5, np.float16)}
+    with pytest.raises(Exception) as want:  # noqa: PT011 - onnxruntime's Fail is no RuntimeError
+        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert "running Add node. Name:'/lin/Add'" in str(want.value)
+    levels = onnxtrain.GraphOptimizationLevel
+    errors = []
+    for level in (levels.ORT_DISABLE_ALL, levels.ORT_ENABLE_ALL):
+        options = onnxtrain.SessionOptions()
+        options.graph_optimization_level = level
+        sess = onnxtrain.InferenceSession(model, options)
+        assert (len(sess._plan.steps) == 1) == bool(level)  # (fused when optimizing)
+        with pytest.raises(RuntimeError) as e:
+            sess.run(None, feeds)
+        errors.append(e.value)
+        assert "node '/lin/Add' (Add) failed" in str(e.value), e.value
+    assert type(errors[1]) is type(errors[0])
+    # a bias that fits still takes the float16 path: the values of float32 arithmetic rounded once
+    feeds["b"] = np.arange(3, dtype=np.float16)
+    want, = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got, = onnxtrain.InferenceSession(model).run(None, feeds)
+    np.testing.assert_array_equal(got, want)
