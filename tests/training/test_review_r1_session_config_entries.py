@@ -126,7 +126,6 @@ def _parameters() -> onnxtrain.TrainingParameters:
     return p
 
 
-@pytest.mark.xfail(strict=True, reason=f"{DENORMAL} = '1' taken silently by TrainingSession; {_LEGACY_FIX}")
 def test_legacy_session_warns_of_set_denormal_as_zero(tmp_path) -> None:
     assert _legacy(tmp_path, DENORMAL) == {"loss": 0.0}  # onnxruntime-training 1.16.3 flushes it
     with warnings.catch_warnings(record=True) as seen:
@@ -137,7 +136,6 @@ def test_legacy_session_warns_of_set_denormal_as_zero(tmp_path) -> None:
     assert any(DENORMAL in str(w.message) for w in seen), [str(w.message) for w in seen]
 
 
-@pytest.mark.xfail(strict=True, reason=f"{NO_CPU_FALLBACK} = '1' taken by TrainingSession; {_LEGACY_FIX}")
 def test_legacy_session_refuses_disabled_cpu_fallback(tmp_path) -> None:
     got = _legacy(tmp_path, NO_CPU_FALLBACK)
     assert got == {"refused": "InvalidArgument"}, got  # (the CPU provider is the session's, as onnxtrain's)
