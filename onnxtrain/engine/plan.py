@@ -677,12 +677,18 @@ FUSED_DOMAIN = "onnxtrain.fused"  # the domain of the nodes the fusions make for
 FUSED_FROM = "fused from: "  # how such a node's doc_string starts: the graph nodes the step runs, in order
 
 
+def fused_doc(labels: Sequence[str]) -> str:
+    """The doc_string of a fused step's node that runs the graph's nodes ``labels`` (their names; an unnamed
+    one: its op), in order: a JSON list, as a name may hold any character (', ' too)."""
+    return FUSED_FROM + json.dumps(list(labels), ensure_ascii=False)
+
+
 def fused_members(node: onnx.NodeProto) -> list[str] | None:
-    """The names (an unnamed one: its op) of the graph's nodes that a fused step's ``node`` runs, in order;
-    None for a node of the graph."""
+    """The names (an unnamed one: its op) of the graph's nodes that a fused step's ``node`` runs, in order
+    (:func:`fused_doc`); None for a node of the graph."""
     if node.domain != FUSED_DOMAIN or not node.doc_string.startswith(FUSED_FROM):
         return None
-    return node.doc_string[len(FUSED_FROM):].split(", ")
+    return json.loads(node.doc_string[len(FUSED_FROM):])
 
 
 EXPANDED_SUM = "an Add of Sum: "  # how the doc_string of an Add that expand_sums makes of a Sum starts

@@ -246,3 +246,26 @@ def test_a_float16_bias_that_does_not_broadcast_fails_as_the_unfused_add() -> No
     want, = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     got, = onnxtrain.InferenceSession(model).run(None, feeds)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_run_stopped_before_a_fused_step_names_a_node_whose_name_holds_a_comma() -> None:
+    """64332ec5 names the first graph node of a fused step, read back from the step's member list, which it
+    joined with ', ': a node named 'block 1, exp' came back as 'block 1', no node of the model. Every name
+    must be one of the graph's nodes (the oracle: the model's own node list)."""
+    nodes = [helper.make_node("Exp", ["a"], ["e"], name="block 1, exp"),
+             helper.make_node("Tanh", ["e"], ["y"], name="block 1, tanh")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", F, ["N"])],
+                          [helper.make_tensor_value_info("y", F, ["N"])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    sess = onnxtrain.InferenceSession(model)
+    assert len(sess._plan.steps) == 1  # (one fused step)
+    named = []
+    for at in range(1, 10):
+        try:
+            sess.run(None, {"a": np.ones(4, np.float32)}, _StopAtRead(at))
+            break
+        except RuntimeError as e:
+            found = re.search(r"before node '([^']*)'", str(e))
+            if found:
+                named.append(found.group(1))
+    assert named == ["block 1, exp"], named

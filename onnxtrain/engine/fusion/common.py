@@ -222,7 +222,7 @@ def slot_names(plan: Plan) -> dict[int, str]:
 def synthetic_step(
     plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
 ) -> tuple[onnx.NodeProto, Attrs]:
-    from onnxtrain.engine.plan import FUSED_DOMAIN, FUSED_FROM, fused_members, graph_label
+    from onnxtrain.engine.plan import FUSED_DOMAIN, fused_doc, fused_members, graph_label
 
     names = slot_names(plan)
     node = helper.make_node(
@@ -238,7 +238,7 @@ def synthetic_step(
     for label in (label for m in members for label in fused_members(m.node) or [graph_label(m.node)]):
         if not labels or labels[-1] != label:
             labels.append(label)
-    node.doc_string = FUSED_FROM + ", ".join(labels)
+    node.doc_string = fused_doc(labels)
     attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
     return node, attrs
 
