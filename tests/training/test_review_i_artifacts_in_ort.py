@@ -11,9 +11,9 @@ only. Then three training steps run twice: by the on-device ``Module``/``Optimiz
 and in onnxruntime's inference package, the training model (with its BatchNormalizations' running
 statistics added as outputs) and the optimizer model fed the parameters, gradient buffers, moments,
 learning rate and step as a user of plain onnxruntime would hold them. Losses and parameters must agree
-after every step, and with torch's own SGD steps (losses and weights) where the optimizer is SGD; then the
-eval model and the exported inference model in onnxruntime against the Module's eval mode, the engine and
-torch's eval mode with the trained weights.
+after every step, and with torch's own SGD steps (losses, weights and BatchNorm running means) where the
+optimizer is SGD; then the eval model and the exported inference model in onnxruntime against the Module's
+eval mode, the engine and torch's eval mode with the trained weights.
 
 Adam turns a gradient that is rounding noise (a bias before a normalization, the first step of a reverse
 LSTM) into a step of the learning rate's size either way, so with AdamW a weight may differ by up to
@@ -163,6 +163,10 @@ def check_artifacts(name: str, exporter: str, opset: int, loss: str, optim: str,
     for sub in ref.modules():  # an exported embedding's padding_idx row trains (a plain Gather: README)
         if isinstance(sub, nn.Embedding):
             sub.padding_idx = None
+    buffers = dict(ref.named_buffers())
+    with torch.no_grad():  # the statistics the export holds (a TorchScript training export ran a forward)
+        for k in stats:
+            buffers[k].copy_(torch.from_numpy(np.array(values[k])))
     sgd = torch.optim.SGD(ref.parameters(), lr=LR) if optim == "SGD" else None
     step_tol = ADAM_STEP if optim == "AdamW" else 0.0
     for s in range(STEPS):
@@ -206,6 +210,9 @@ def check_artifacts(name: str, exporter: str, opset: int, loss: str, optim: str,
                 if k in values:
                     _close(values[k], p.detach().numpy(), f"{label} step {s} {k}: onnxruntime vs torch SGD",
                            1e-4)
+            for k in stats:  # (ONNX's running variance is the biased one, torch's the unbiased)
+                if k.endswith("running_mean"):
+                    _close(values[k], buffers[k].numpy(), f"{label} step {s} {k}: onnxruntime vs torch", 1e-5)
 
     # the eval model in onnxruntime, fed the on-device state (what the Module's eval mode reads)
     e_in = {i.name for i in e_sess.get_inputs()}
