@@ -246,7 +246,7 @@ def _whole_checkpoint(paths: list[str]) -> str:
 
     problems = []
     for i, path in enumerate(paths):
-        problem = checksum_problem(path)
+        problem = _killed_save(path) or checksum_problem(path)
         if problem is None:
             return path
         problems.append(problem)
@@ -254,6 +254,31 @@ def _whole_checkpoint(paths: list[str]) -> str:
             print(f"onnxtrain: warning: {problem}; using the checkpoint before it, {paths[i + 1]}",
                   file=sys.stderr)
     raise ValueError(problems[-1] + ("; no checkpoint of the folder is whole" if len(problems) > 1 else ""))
+
+
+def _killed_save(path: str) -> str | None:
+    """What became of the checkpoint at ``path`` when a save of it was killed between its renames (its
+    commit journal beside it): the folder is put back as it was before that save, as its load would do
+    (:func:`onnxtrain.checkpoint.load_checkpoint`), here before the checkpoint is chosen, since that takes
+    away a checkpoint the killed save had renamed into place. A sentence naming it when it is gone, else None
+    (a checkpoint put back is checked by its sums as any other; a folder that cannot be written is left to
+    the load, which refuses the mixed files)."""
+    import os
+    import sys
+
+    from onnxtrain.ir.io import recover_commits
+
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        put_back = recover_commits(folder, naming=[path, path + ".data"]).put_back
+    except (OSError, ValueError):
+        return None
+    if not os.path.exists(path):
+        return f"checkpoint {path} is gone: the save that wrote it was killed part way, and was undone"
+    if put_back and parallel.world().rank == 0:
+        print(f"onnxtrain: warning: a save of checkpoint {path} was killed part way: put back "
+              f"{', '.join(put_back)} as they were before it", file=sys.stderr)
+    return None
 
 
 def _warn_split_changes(cfg: Config, saved: object, path: str) -> None:
