@@ -367,11 +367,11 @@ class InferenceSession:
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         if self._backend == "numpy":
-            refuse_disabled_cpu_fallback(self._sess_options, providers)
             warn_config_not_applied(self._sess_options)
         # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
         # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing
         self._enable_fallback = int(kwargs.get("enable_fallback", 1)) == 1
+        asked = providers
         try:
             self._providers, self._provider_options = backend_providers(self._backend, providers,
                                                                         provider_options)
@@ -382,9 +382,11 @@ class InferenceSession:
             print(f"EP Error {e} when using {providers}")
             print("Falling back to ['CPUExecutionProvider'] and retrying.")
             print("****************************************")
-            self._providers, self._provider_options = backend_providers(self._backend,
-                                                                        ["CPUExecutionProvider"])
+            asked = ["CPUExecutionProvider"]  # (the retry asks for the CPU provider itself)
+            self._providers, self._provider_options = backend_providers(self._backend, asked)
             self._enable_fallback = False  # (once, as onnxruntime)
+        if self._backend == "numpy":
+            refuse_disabled_cpu_fallback(self._sess_options, asked)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
         if model_config_asked():  # (onnxruntime's switch)

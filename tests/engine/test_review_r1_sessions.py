@@ -269,3 +269,24 @@ def test_a_run_stopped_before_a_fused_step_names_a_node_whose_name_holds_a_comma
             if found:
                 named.append(found.group(1))
     assert named == ["block 1, exp"], named
+
+
+@pytest.mark.parametrize("providers", [["FooExecutionProvider"], ["CUDAExecutionProvider"]])
+def test_disabled_cpu_fallback_after_a_provider_fallback_is_refused_as_onnxruntime_refuses_it(
+        providers, capsys) -> None:
+    """fa1c031b refuses ``session.disable_cpu_ep_fallback = "1"`` by the providers asked for, before the
+    session's fallback for a providers argument it cannot use (an unknown name): onnxruntime 1.32 (the
+    oracle) prints its 'EP Error' banner, retries with the CPU provider itself and so refuses the session as
+    asking for the CPU (InvalidArgument), where onnxtrain raised a Fail. An unavailable provider (CUDA) is
+    no such fallback: a Fail on both sides."""
+    kind = {}
+    for lib in (ort, onnxtrain):
+        options = lib.SessionOptions()
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the unavailable CUDA provider's warning)
+            with pytest.raises(Exception) as e:  # noqa: PT011 - onnxruntime's classes are no RuntimeErrors
+                lib.InferenceSession(_product_model(), options, providers=providers)
+        kind[lib.__name__] = type(e.value).__name__
+    assert kind["onnxtrain"] == kind["onnxruntime"], kind
+    assert "session.disable_cpu_ep_fallback" in str(e.value)
