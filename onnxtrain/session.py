@@ -65,7 +65,12 @@ from onnxtrain.session_loading import (
 )
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
 from onnxtrain.session_profiling import end_profiling, profile_session_start
-from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
+from onnxtrain.training_graph import (
+    TRAINING_MODE,
+    build_step_graphs,
+    update_clips,
+    warn_idle_max_norm_clip,
+)
 from onnxtrain.user_warning import warn
 
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
@@ -359,13 +364,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                         "an entry, possibly {})"
                     )
         opt.check_attrs(self._graphs.trainable, fmap, imap)
-        clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
-        if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
-            warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
-                 f"{clip[0]!r}) has no effect with enable_grad_norm_clip=False")
-        elif clip and p.legacy_cpu_adam and opt.name == "AdamOptimizer":  # (its update reads no norm)
-            warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
-                 f"{clip[0]!r}) has no effect with legacy_cpu_adam (onnxruntime's CPU Adam did not clip)")
+        warn_idle_max_norm_clip(p, opt, self._graphs.trainable, self._clips)
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             absent = sorted(w for w in m if w not in self._graphs.trainable and w not in initializers)
             if absent:  # onnxruntime reads the maps for the trained weights only

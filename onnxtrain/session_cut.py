@@ -43,7 +43,13 @@ from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, serialized
 from onnxtrain.session_exchange import ReplicaExchange
 from onnxtrain.session_loading import load_with_options
-from onnxtrain.training_graph import TRAINING_MODE, dropout_mode
+from onnxtrain.training_graph import (
+    TRAINING_MODE,
+    check_learning_rate_not_loss_scale,
+    dropout_mode,
+    update_clips,
+    warn_idle_max_norm_clip,
+)
 from onnxtrain.user_warning import warn
 
 
@@ -361,6 +367,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                         "possibly {})"
                     )
         opt.check_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
+        # a bound nothing clips by is named, as one process's session names it
+        warn_idle_max_norm_clip(p, opt, originals, update_clips(p, self._mode == "adasum"))
 
     def _check_learning_rate(self, model: onnx.ModelProto, trainable: list[str],
                              passed: Sequence[str] = ()) -> None:
@@ -376,6 +384,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         p = self._params
         name = p.lr_params_feed_name
         _check_learning_rate_name(model.graph, name)
+        if self._mp is not None:  # (a horizontal split checks it once its rank's model has the input)
+            check_learning_rate_not_loss_scale(name, self._mp.loss_scale)
         defined = {GLOBAL_NORM, f"{p.loss_output_name}_grad", *(f"{w}_grad" for w in trainable),
                    *(sp.name for sp in self._whole_state_specs(model, trainable))}
         if p.use_mixed_precision:

@@ -78,7 +78,12 @@ from onnxtrain.session_stages import (
     sum_tied_gradients,
     tied_weights,
 )
-from onnxtrain.training_graph import build_update_graph, select_trainable, update_clips
+from onnxtrain.training_graph import (
+    build_update_graph,
+    check_learning_rate_not_loss_scale,
+    select_trainable,
+    update_clips,
+)
 from onnxtrain.user_warning import warn
 
 SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is the agreed one + r × this
@@ -140,6 +145,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         if p.use_mixed_precision:  # on the rank's model: its casts read the shares
             sharded = mixed_precision(sharded, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(sharded)
+            check_learning_rate_not_loss_scale(p.lr_params_feed_name, self._mp.loss_scale)
             self.loss_scale_input_name = self._mp.loss_scale
             outputs = [o for o in sharded.graph.output if o.name != self._mp.scaled_loss]  # not a user output
             del sharded.graph.output[:]

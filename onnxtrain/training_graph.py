@@ -562,12 +562,8 @@ def build_step_graphs(
                     v.type.tensor_type.ClearField("shape")
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
-        if opt is not None and p.lr_params_feed_name == mp.loss_scale:  # (the update would add no input of
-            # its own: the one feed was both, and the loss scale fed, 2^16, the learning rate)
-            raise ValueError(f"lr_params_feed_name {p.lr_params_feed_name!r} names the loss scale input of "
-                             "mixed precision (TrainingSession.loss_scale_input_name): one feed would be "
-                             "both the learning rate and the loss scale; name the learning-rate feed "
-                             "otherwise (TrainingParameters.lr_params_feed_name)")
+        if opt is not None:
+            check_learning_rate_not_loss_scale(p.lr_params_feed_name, mp.loss_scale)
     if p.use_memory_efficient_gradient and not any(n.op_type == "LayerNormalization" for n in m.graph.node):
         warn("TrainingParameters.use_memory_efficient_gradient has no effect: the model has no "
              "LayerNormalization (whose input it lets the backward pass recompute)")
@@ -784,6 +780,31 @@ def _check_learning_rate_name(graph: onnx.GraphProto, name: str) -> None:
                 else "an initializer of that name")
         raise ValueError(f"lr_params_feed_name {name!r} names a value of the model ({what}); name the "
                          "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
+
+
+def check_learning_rate_not_loss_scale(name: str, loss_scale: str) -> None:
+    """Refuse a learning-rate feed ``name`` that is mixed precision's loss scale input ``loss_scale``: the
+    update would add no input of its own, so the one feed would be both, and the loss scale fed (2^16) the
+    learning rate. Every session kind checks it (one process's, a pipeline's stages, a horizontal split's
+    ranks)."""
+    if name == loss_scale:
+        raise ValueError(f"lr_params_feed_name {name!r} names the loss scale input of mixed precision "
+                         "(TrainingSession.loss_scale_input_name): one feed would be both the learning rate "
+                         "and the loss scale; name the learning-rate feed otherwise "
+                         "(TrainingParameters.lr_params_feed_name)")
+
+
+def warn_idle_max_norm_clip(p: TrainingParameters, opt: Optimizer, trained: list[str], clips: bool) -> None:
+    """A warning when ``optimizer_attributes_map`` gives ``max_norm_clip`` for a trained weight and nothing
+    clips by it: ``clips`` False (enable_grad_norm_clip off), or onnxruntime's CPU Adam (legacy_cpu_adam),
+    whose update reads no norm. Every session kind warns alike."""
+    clip = [w for w in trained if "max_norm_clip" in p.optimizer_attributes_map.get(w, {})]
+    if clip and not clips and "max_norm_clip" in opt.FLOAT_ATTRS:
+        warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
+             f"{clip[0]!r}) has no effect with enable_grad_norm_clip=False")
+    elif clip and p.legacy_cpu_adam and opt.name == "AdamOptimizer":  # (its update reads no norm)
+        warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
+             f"{clip[0]!r}) has no effect with legacy_cpu_adam (onnxruntime's CPU Adam did not clip)")
 
 
 def _check_learning_rate_clash(graph: onnx.GraphProto, name: str) -> None:
