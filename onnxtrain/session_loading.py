@@ -62,14 +62,14 @@ def optimized_model_data(options: Any) -> dict[str, Any]:
     ``session.optimized_model_external_initializers_file_name`` (a file name beside the model), those of
     ``..._min_size_in_bytes`` bytes or more (1024 unless set) in that file, as onnxruntime writes them;
     without it, in the model."""
-    config = config_entries(options)
-    name = config.get(_DATA_FILE)
+    name = config_entry(options, _DATA_FILE)  # (onnxtrain's SessionOptions or onnxruntime's)
     if not name:
         return {}
     if os.path.basename(name) != name or name in (".", ".."):
         raise FailValueError(f"session config entry {_DATA_FILE} must be a file name (written beside the "
                              f"optimized model), got {name!r}")
-    text = config.get(_DATA_MIN_BYTES, "1024")
+    text = config_entry(options, _DATA_MIN_BYTES)
+    text = "1024" if text is None else text
     try:
         threshold = int(text)
     except ValueError:
@@ -150,7 +150,7 @@ def load_with_options(path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto
     """The model a session of ``options`` runs: loaded (its external data from the folder of config entry
     ``session.model_external_initializers_file_folder_path`` or from ``add_external_initializers``), with
     the initializers and free dimensions the options override (:func:`with_option_overrides`)."""
-    folder = config_entries(options).get("session.model_external_initializers_file_folder_path")
+    folder = config_entry(options, "session.model_external_initializers_file_folder_path")
     supplied = getattr(options, "_initializers", {})
     in_memory = getattr(options, "_files_in_memory", None)
     return with_option_overrides(load_model(path_or_bytes, folder, supplied, in_memory), options)

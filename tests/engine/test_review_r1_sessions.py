@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 
@@ -290,3 +290,52 @@ def test_disabled_cpu_fallback_after_a_provider_fallback_is_refused_as_onnxrunti
         kind[lib.__name__] = type(e.value).__name__
     assert kind["onnxtrain"] == kind["onnxruntime"], kind
     assert "session.disable_cpu_ep_fallback" in str(e.value)
+
+
+def test_onnxruntimes_options_put_the_optimized_models_weights_in_a_data_file(tmp_path) -> None:
+    """The optimized model's initializers go to a data file beside it with the config entries
+    ``session.optimized_model_external_initializers_file_name`` (and ``..._min_size_in_bytes``), as
+    onnxruntime writes them (the oracle: onnxruntime with the very same options object writes that file).
+    With onnxruntime's SessionOptions onnxtrain read neither entry (87b2dea0 made the entries of review F
+    read there, not these) and wrote the weights inside the model."""
+    w = numpy_helper.from_array(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, [2, 64])],
+                          [helper.make_tensor_value_info("y", F, [2, 64])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    files = {}
+    for lib in (ort, onnxtrain):
+        folder = tmp_path / lib.__name__
+        folder.mkdir()
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(folder / "m.onnx")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "m.data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                         "100")
+        lib.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        files[lib.__name__] = sorted(p.name for p in folder.iterdir())
+    assert files["onnxruntime"] == ["m.data", "m.onnx"]
+    assert files["onnxtrain"] == files["onnxruntime"]
+    written = onnx.load(str(tmp_path / "onnxtrain" / "m.onnx"))  # (its data read from m.data)
+    np.testing.assert_array_equal(numpy_helper.to_array(written.graph.initializer[0]),
+                                  numpy_helper.to_array(w))
+
+
+def test_onnxruntimes_options_give_the_folder_of_a_models_external_data(tmp_path) -> None:
+    """``session.model_external_initializers_file_folder_path`` names the folder of the external data of a
+    model given as bytes: onnxruntime with those very options loads it (the oracle: its output); onnxtrain
+    did not read the entry from onnxruntime's SessionOptions and could not find the data."""
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, [2, 4])],
+                          [helper.make_tensor_value_info("y", F, [2, 4])], [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    data = (tmp_path / "m.onnx").read_bytes()
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(tmp_path))
+    x = np.ones((2, 4), np.float32)
+    want, = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(want, x @ w)
+    got, = onnxtrain.InferenceSession(data, options).run(None, {"x": x})
+    np.testing.assert_array_equal(got, want)
