@@ -58,7 +58,7 @@ from onnxtrain.model_config_env import (  # noqa: F401 (the sessions import them
 )
 from onnxtrain.session_loading import (
     check_severity,
-    config_entries,
+    config_entry,
     load_with_options,
     optimized_model_data,
     optimized_model_path,
@@ -662,7 +662,7 @@ class InferenceSession:
         """The nodes each execution provider runs, one subgraph per node of the CPU provider (the numpy
         engine runs every node itself), when the session config entry
         ``session.record_ep_graph_assignment_info`` is "1"; else a Fail, as onnxruntime's."""
-        if config_entries(self._sess_options).get(_ASSIGNMENT_ENTRY) != "1":
+        if config_entry(self._sess_options, _ASSIGNMENT_ENTRY) != "1":  # (onnxtrain's or onnxruntime's)
             raise Fail(f"Session configuration entry '{_ASSIGNMENT_ENTRY}' must be set to \"1\" to retrieve "
                        "EP graph assignment information")
         return [EpAssignedSubgraph("CPUExecutionProvider", (EpAssignedNode(n.domain, n.op_type, n.name),))

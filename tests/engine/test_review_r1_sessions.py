@@ -339,3 +339,22 @@ def test_onnxruntimes_options_give_the_folder_of_a_models_external_data(tmp_path
     np.testing.assert_array_equal(want, x @ w)
     got, = onnxtrain.InferenceSession(data, options).run(None, {"x": x})
     np.testing.assert_array_equal(got, want)
+
+
+def test_onnxruntimes_options_recording_the_ep_assignment_answer_it() -> None:
+    """``session.record_ep_graph_assignment_info = "1"`` makes get_provider_graph_assignment_info answer (the
+    oracle: onnxruntime 1.32 with the very same options object lists the CPU provider's node); with
+    onnxruntime's SessionOptions onnxtrain did not read the entry and raised its Fail."""
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="r")], "g",
+                          [helper.make_tensor_value_info("x", F, [2])],
+                          [helper.make_tensor_value_info("y", F, [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    answers = []
+    for lib in (ort, onnxtrain):
+        info = lib.InferenceSession(model, options, providers=["CPUExecutionProvider"]
+                                    ).get_provider_graph_assignment_info()
+        answers.append([(s.ep_name, [(n.op_type, n.name) for n in s.get_nodes()]) for s in info])
+    assert answers[0] == [("CPUExecutionProvider", [("Relu", "r")])]
+    assert answers[1] == answers[0]
