@@ -1,8 +1,8 @@
 """Review R1: the session config entries review F made the inference session warn of or refuse (ce6736de,
 fa1c031b: ``session.set_denormal_as_zero``, ``session.disable_cpu_ep_fallback``) on the two training paths,
 which take SessionOptions too and were left as they were: the on-device ``Module`` (onnxtrain/training/api/
-module.py, ``_check_session_options``) and the legacy ``TrainingSession`` (onnxtrain/session.py). Neither
-file is this review's: strict xfails for their owners.
+module.py, ``_check_session_options``) and the legacy ``TrainingSession`` (onnxtrain/session.py). Both
+now warn of the first and refuse the second (these tests were strict xfails until then).
 
 Oracles: onnxruntime-training 1.19.2's Module and 1.16.3's TrainingSession (tests/ortt.py's venvs), each in
 a process of its own (the denormal entry sets the thread's FTZ/DAZ flags): with ``set_denormal_as_zero``
@@ -83,15 +83,8 @@ def _options(key: str) -> onnxtrain.SessionOptions:
     return so
 
 
-_MODULE_FIX = ("onnxtrain/training/api/module.py: _check_session_options (Module on the numpy engine) does "
-               "not call session_loading.warn_config_not_applied / refuse_disabled_cpu_fallback as "
-               "InferenceSession.__init__ does")
-_LEGACY_FIX = ("onnxtrain/session.py: TrainingSession.__init__ on the numpy engine does not call "
-               "session_loading.warn_config_not_applied / refuse_disabled_cpu_fallback as "
-               "InferenceSession.__init__ does")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{DENORMAL} = '1' taken without a word by Module; {_MODULE_FIX}")
 def test_module_warns_of_set_denormal_as_zero(generated) -> None:
     got = run_script(_ORT_MODULE, generated, DENORMAL)
     assert got == {"loss": 0.0}  # onnxruntime-training flushes the subnormal loss
@@ -104,7 +97,6 @@ def test_module_warns_of_set_denormal_as_zero(generated) -> None:
     assert any(DENORMAL in str(w.message) for w in seen), [str(w.message) for w in seen]
 
 
-@pytest.mark.xfail(strict=True, reason=f"{NO_CPU_FALLBACK} = '1' taken by Module; {_MODULE_FIX}")
 def test_module_refuses_disabled_cpu_fallback(generated) -> None:
     got = run_script(_ORT_MODULE, generated, NO_CPU_FALLBACK)
     assert "refused" in got, got  # onnxruntime-training refuses the Module
@@ -144,8 +136,8 @@ def test_legacy_session_refuses_disabled_cpu_fallback(tmp_path) -> None:
 
 
 def test_the_oracles_answer_without_the_entries(generated, tmp_path) -> None:
-    """The oracles themselves, without the entries: the subnormal loss is kept (so the xfails above can
-    pass once the owners fix their paths, and fail for the reason they name until then)."""
+    """The oracles themselves, without the entries: the subnormal loss is kept (so the tests above fail for
+    the reason they name, not for another)."""
     got = run_script(_ORT_MODULE, generated, "session.some_unread_entry")
     assert got["loss"] > 0, got
     got = _legacy(tmp_path, "session.some_unread_entry")

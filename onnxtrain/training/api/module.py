@@ -51,6 +51,7 @@ from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import eval_batch_norms, last_statistics
 from onnxtrain.model_config_env import warn_on_device_model_config
+from onnxtrain.session_loading import refuse_disabled_cpu_fallback, warn_config_not_applied
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -258,6 +259,9 @@ def _check_session_options(options: Any) -> None:
     if backend_of(options) != "numpy":
         return
     numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
+    # config entries the engine cannot honour: as an InferenceSession's (a Module runs on the CPU device)
+    refuse_disabled_cpu_fallback(options, ["CPUExecutionProvider"])
+    warn_config_not_applied(options)
 
 
 class Module:
