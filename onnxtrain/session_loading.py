@@ -278,9 +278,39 @@ def warn_config_not_applied(options: Any) -> None:
                  "applies it)")
 
 
+# onnxruntime's session config keys for a CPU session (those of onnxruntime 1.32 that change what a CPU
+# session computes, how it runs, or what it writes): onnxruntime's own SessionOptions cannot list their
+# entries, so these are read from them one by one (config_entries)
+ORT_SESSION_KEYS = tuple(f"session.{k}" for k in (
+    "set_denormal_as_zero", "disable_prepacking", "use_env_allocators", "save_model_format",
+    "load_model_format", "disable_cpu_ep_fallback", "disable_optimizers", "enable_quant_qdq_cleanup",
+    "disable_quant_qdq", "disable_double_qdq_remover", "disable_qdq_constant_folding", "qdqisint8allowed",
+    "x64quantprecision", "enable_dq_matmulnbits_fusion", "qdq_matmulnbits_accuracy_level",
+    "qdq_matmulnbits_block_size", "inter_op.allow_spinning", "intra_op.allow_spinning",
+    "intra_op.spin_duration_us", "inter_op.spin_duration_us", "intra_op_thread_affinities",
+    "force_spinning_stop", "dynamic_block_base", "allow_released_opsets_only", "strict_shape_type_inference",
+    "graph_optimizations_loop_level", "disable_aot_function_inlining", "record_ep_graph_assignment_info",
+    "optimized_model_external_initializers_file_name",
+    "optimized_model_external_initializers_min_size_in_bytes", "model_external_initializers_file_folder_path",
+    "use_device_allocator_for_initializers", "use_ort_model_bytes_for_initializers",
+    "save_external_prepacked_constant_initializers", "prepack.enable_parallel",
+    "collect_node_memory_stats_to_file", "node_partition_config_file",
+)) + tuple(f"optimization.{k}" for k in (
+    "enable_gelu_approximation", "enable_cast_chain_elimination", "disable_specified_optimizers",
+    "constant_folding_max_output_size_in_bytes", "minimal_build_optimizations",
+))
+
+
 def config_entries(options: Any) -> dict[str, str]:
-    """The session config entries of ``options`` (onnxtrain's SessionOptions; others: none read)."""
-    return dict(getattr(options, "_config", {}) or {})
+    """The session config entries of ``options``: all of onnxtrain's SessionOptions'; of onnxruntime's
+    (which cannot list them), those of :data:`ORT_SESSION_KEYS` that are set (an ``onnxtrain.*`` entry is
+    read where it is used, with :func:`config_entry`); none of other objects."""
+    if isinstance(options, SessionOptions) or hasattr(options, "_config"):
+        return dict(getattr(options, "_config", {}) or {})
+    if getattr(options, "get_session_config_entry", None) is None:
+        return {}
+    found = {k: config_entry(options, k) for k in ORT_SESSION_KEYS}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def config_entry(options: Any, key: str) -> str | None:
@@ -289,7 +319,7 @@ def config_entry(options: Any, key: str) -> str | None:
     given onnxruntime's options with an entry that changes its values is warned, or refused, as with
     onnxtrain's)."""
     if isinstance(options, SessionOptions) or hasattr(options, "_config"):
-        return config_entries(options).get(key)
+        return dict(getattr(options, "_config", {}) or {}).get(key)
     getter = getattr(options, "get_session_config_entry", None)
     if getter is None:
         return None

@@ -38,6 +38,7 @@ from onnxtrain.engine.ort_rewrites import for_onnxruntime, label_range_error, la
 from onnxtrain.engine.ort_sums import two_level_sum_squares
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info_shape
+from onnxtrain.session_loading import config_entries
 
 SPIN_KEY = "session.intra_op.allow_spinning"
 ENV_ALLOCATORS_KEY = "session.use_env_allocators"
@@ -223,7 +224,7 @@ class OrtPlan(GraphInterface):
         so.execution_order = self._execution_order(options)
         # the caller's session config entries go to onnxruntime (ours, "onnxtrain.*", stay here); the
         # optimizers we must disable are added to any the caller disables
-        config = dict(getattr(options, "_config", {}) or {})
+        config = config_entries(options)  # (onnxruntime's own SessionOptions: the keys onnxtrain knows)
         disabled = [x for x in config.pop("session.disable_optimizers", "").split(",") if x]
         for key, value in config.items():
             if not key.startswith("onnxtrain."):

@@ -8,8 +8,8 @@ which only onnxtrain's SessionOptions have: every config entry of onnxruntime's 
 listed, only read key by key) is dropped without a word. With session.set_denormal_as_zero = "1",
 onnxruntime 1.32 (the oracle, with the very same options object) flushes x·1 for x = 1e-39, 1e-40 to 0;
 onnxtrain's onnxruntime backend returns them unflushed, and warns of nothing (the numpy engine would have).
-Each run is in a process of its own (the flush is a per-thread CPU mode). Strict xfails: the file at fault is
-engine/ort_plan.py (``_session_options``), not this review's.
+Each run is in a process of its own (the flush is a per-thread CPU mode). The backend reads onnxruntime's
+own options' entries key by key (``session_loading.ORT_SESSION_KEYS``): they cannot be listed.
 """
 
 from __future__ import annotations
@@ -76,20 +76,13 @@ def _run(which: str, options: str) -> dict:
 
 def test_the_oracle_and_onnxtrains_own_options_flush() -> None:
     """onnxruntime (the oracle) flushes the subnormals with either options object's entry; onnxtrain's
-    onnxruntime backend does too when the entry is in onnxtrain's SessionOptions (so the xfails below can
-    pass)."""
+    onnxruntime backend does too when the entry is in onnxtrain's SessionOptions (so the test below
+    fails for the reason it names)."""
     assert _run("oracle", "onnxruntime")["y"] == [0.0, 0.0, 1.0]
     assert _run("inference", "onnxtrain")["y"] == [0.0, 0.0, 1.0]
     assert _run("training", "onnxtrain")["y"] == [0.0, 0.0, 1.0]
 
 
-_FIX = ("engine/ort_plan.py _session_options passes on options._config only, which onnxruntime's own "
-        "SessionOptions lack: their config entries are dropped on the onnxruntime backend; read them key by "
-        "key (session_loading.config_entry) for the entries onnxtrain knows, or warn that they are not "
-        "passed on")
-
-
-@pytest.mark.xfail(strict=True, reason=_FIX)
 @pytest.mark.parametrize("which", ["inference", "training"])
 def test_onnxruntimes_own_options_reach_the_onnxruntime_backend(which: str) -> None:
     got = _run(which, "onnxruntime")
