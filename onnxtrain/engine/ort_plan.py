@@ -271,7 +271,10 @@ class OrtPlan(GraphInterface):
         ort = self._ort
         ours = disabled_optimizers(model)
         so = self._session_options(options, model.graph.name or "graph", ours)
-        kw = {"providers": names, "provider_options": opts, "disabled_optimizers": ours}
+        # onnxruntime reads no config entry session.disable_optimizers (1.32 ignores it): the caller's
+        # disabled optimizers and ours reach it as InferenceSession's disabled_optimizers only
+        disabled = [x for x in so.get_session_config_entry("session.disable_optimizers").split(",") if x]
+        kw = {"providers": names, "provider_options": opts, "disabled_optimizers": disabled}
         model = self._outside_the_proto(model, so)
         try:
             return _without_model_bytes(ort.InferenceSession(model.SerializeToString(), so, **kw))
