@@ -43,10 +43,13 @@ def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray, bias_first
     the two nodes' bits, the product rounded to float16 while it stays in float32 (:func:`round_to_half`)
     and the bias added there, narrowed once: numpy's float16 add rounds the float32 sum of its operands
     once, as this does. None where the operands are not all float16 or the bias would grow the product's
-    shape or does not broadcast onto it."""
+    shape or does not broadcast onto it, or ``a`` and ``b`` do not multiply."""
     if not (a.dtype == b.dtype == bias.dtype == HALF) or a.ndim < 1 or b.ndim < 1:
         return None
-    y = np.asarray(np.matmul(to_single(a), to_single(b)))  # (1-D by 1-D: a scalar, made a 0-d array)
+    try:
+        y = np.asarray(np.matmul(to_single(a), to_single(b)))  # (1-D by 1-D: a scalar, made a 0-d array)
+    except ValueError:  # (operands that do not multiply: the unfused MatMul fails, naming its node)
+        return None
     try:
         fits = np.broadcast_shapes(y.shape, bias.shape) == y.shape
     except ValueError:  # (shapes that do not broadcast: the unfused Add fails, naming its node)
