@@ -3,10 +3,10 @@
 Exit codes: 0 done, 1 a runtime failure (e.g. a file that is not an ONNX model or not a checkpoint, a
 graph node that fails to run), 2 a bad config or command line (one line on stderr naming the key path,
 option or file: a missing model file or checkpoint, ``--resume`` without a checkpoint or with one that
-does not fit the config, an output path that is one of the command's inputs, data that does not fit the
-model), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (``train`` saves a checkpoint first). Failures
-print one line; ``ONNXTRAIN_DEBUG=1`` shows the traceback instead. Warnings print as one
-``onnxtrain: warning: ...`` line each on stderr.
+does not fit the config, an output path that is one of the command's inputs or in a folder it cannot
+write in, data that does not fit the model), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (``train``
+saves a checkpoint first). Failures print one line; ``ONNXTRAIN_DEBUG=1`` shows the traceback instead.
+Warnings print as one ``onnxtrain: warning: ...`` line each on stderr.
 
 Under ``mpiexec -n N onnxtrain train CONFIG`` the ranks train data-parallel (see
 ``onnxtrain.train.loop``); only rank 0 prints. A rank that fails ends the whole job (MPI_Abort)
@@ -160,6 +160,22 @@ def _check_output_file(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"-o/--output: the folder {parent} does not exist")
+    _check_writable(parent)
+
+
+def _check_writable(folder: str) -> None:
+    """UsageError (naming -o/--output) when no file can be made in ``folder``, found before the command's
+    work rather than after it (outputs are written to a temporary file there, then renamed). A file is made
+    and removed: permission bits do not tell (root writes in any folder, except on a read-only or special
+    file system)."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".onnxtrain-write-check-", dir=folder)
+    except OSError as e:
+        raise UsageError(f"-o/--output: cannot write in the folder {folder}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -545,6 +561,8 @@ def _artifacts(a: argparse.Namespace) -> int:
         raise UsageError(f"--prefix: {a.prefix!r} names a folder; it is put before the file names in the "
                          "-o/--output folder (give the folder with -o)")
     to_make = _folders_to_make(a.output)
+    if not to_make:
+        _check_writable(a.output)
     written = [os.path.join(a.output, a.prefix + f) for f in artifacts.ARTIFACT_FILES]
     _refuse_overwriting_inputs(written, [("the model", a.model)])
     model = _load(a.model)

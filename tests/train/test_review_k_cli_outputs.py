@@ -1,0 +1,122 @@
+"""Review K of the CLI's subcommands other than ``train``: an -o/--output the command cannot write.
+
+``export`` and ``gradient-graph`` (and ``artifacts`` into a folder that exists) found that they could not
+write their output only at the end, after loading the checkpoint or building the gradients, and failed with
+exit 1 and the operating system's words alone ('[Errno 13] Permission denied: ...'), naming no option,
+where the same mistake in ``artifacts`` (a folder it cannot make) is refused at once as a bad command line
+(exit 2, naming -o/--output). The oracle is the file system itself: creating a file in the folder fails."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.train.conftest import REPO, config_path
+
+
+def _cannot_create_in(folder: str) -> bool:
+    try:
+        fd = os.open(os.path.join(folder, ".review_k_probe"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError:
+        return True
+    os.close(fd)
+    os.unlink(os.path.join(folder, ".review_k_probe"))
+    return False
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder in which this process cannot create a file (a read-only one; for root, which writes in any
+    folder whatever its mode, /sys where sysfs refuses new files); skipped when there is none."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        for candidate in (str(folder), "/sys"):
+            if os.path.isdir(candidate) and _cannot_create_in(candidate):
+                yield candidate
+                return
+        pytest.skip("no folder this process cannot write in")
+    finally:
+        folder.chmod(stat.S_IRWXU)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ONNXTRAIN_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "onnxtrain.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def _assert_refused(proc: subprocess.CompletedProcess, folder: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert "-o/--output" in line and folder in line, line
+
+
+def _loss_model(path: str) -> str:
+    """loss = Σ relu(x·W): a model with its loss in the graph."""
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2) / 6, "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "m",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory) -> str:
+    """A two-step digits MLP run (a checkpoint to export)."""
+    out = str(tmp_path_factory.mktemp("run") / "mlp")
+    proc = _cli("train", config_path("digits_mlp"), "--set", "training.steps=2", "--set",
+                "training.epochs=null", "--set", "model.args.sizes=[64,8,10]", "--set", "output.plot=false",
+                "--output-dir", out, "-q")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_export_to_a_folder_it_cannot_write_in_names_the_option(run_folder, unwritable) -> None:
+    target = os.path.join(unwritable, "model.onnx")
+    proc = _cli("export", os.path.join(run_folder, "config.yaml"), "--checkpoint", run_folder, "-o", target)
+    _assert_refused(proc, unwritable)
+    assert not os.path.exists(target)
+
+
+def test_gradient_graph_to_a_folder_it_cannot_write_in_names_the_option(tmp_path, unwritable) -> None:
+    model = _loss_model(str(tmp_path / "m.onnx"))
+    target = os.path.join(unwritable, "grad.onnx")
+    proc = _cli("gradient-graph", model, "--loss", "loss", "--wrt", "W", "-o", target)
+    _assert_refused(proc, unwritable)
+    assert not os.path.exists(target)
+
+
+def test_artifacts_into_a_folder_it_cannot_write_in_names_the_option(tmp_path, unwritable) -> None:
+    model = _loss_model(str(tmp_path / "m.onnx"))
+    proc = _cli("artifacts", model, "-o", unwritable)
+    _assert_refused(proc, unwritable)
+    assert not os.path.exists(os.path.join(unwritable, "training_model.onnx"))
+
+
+def test_writable_outputs_are_still_written(tmp_path, run_folder) -> None:
+    """The check refuses nothing that can be written, and leaves no file of its own behind."""
+    model = _loss_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "out"
+    out.mkdir()
+    grad = str(out / "g.onnx")
+    assert _cli("gradient-graph", model, "--loss", "loss", "--wrt", "W", "-o", grad).returncode == 0
+    assert _cli("export", os.path.join(run_folder, "config.yaml"), "--checkpoint", run_folder, "-o",
+                str(out / "e.onnx")).returncode == 0
+    assert _cli("artifacts", model, "-o", str(out / "arts")).returncode == 0
+    assert sorted(os.listdir(out)) == ["arts", "e.onnx", "g.onnx"]
+    assert sorted(os.listdir(out / "arts")) == ["checkpoint", "eval_model.onnx", "training_model.onnx"]
