@@ -564,6 +564,12 @@ def _artifacts(a: argparse.Namespace) -> int:
     if not to_make:
         _check_writable(a.output)
     written = [os.path.join(a.output, a.prefix + f) for f in artifacts.ARTIFACT_FILES]
+    made = ["training_model.onnx", "eval_model.onnx", "checkpoint",
+            *(["nominal_checkpoint"] * a.nominal_checkpoint), *(["optimizer_model.onnx"] * bool(a.optimizer))]
+    for f in made:  # (found now, not after the work as the save's IsADirectoryError)
+        if os.path.isdir(os.path.join(a.output, a.prefix + f)):
+            raise UsageError(f"-o/--output: {os.path.join(a.output, a.prefix + f)} is a folder, where the "
+                             f"artifact {a.prefix + f} goes; write to another folder (or give a --prefix)")
     _refuse_overwriting_inputs(written, [("the model", a.model)])
     model = _load(a.model)
     _check_versions(model, a.model)

@@ -120,3 +120,30 @@ def test_writable_outputs_are_still_written(tmp_path, run_folder) -> None:
     assert _cli("artifacts", model, "-o", str(out / "arts")).returncode == 0
     assert sorted(os.listdir(out)) == ["arts", "e.onnx", "g.onnx"]
     assert sorted(os.listdir(out / "arts")) == ["checkpoint", "eval_model.onnx", "training_model.onnx"]
+
+
+@pytest.mark.parametrize(("flags", "taken"), [
+    ([], "checkpoint"), ([], "eval_model.onnx"), (["--optimizer", "SGD"], "optimizer_model.onnx"),
+    (["--nominal-checkpoint", "--prefix", "p_"], "p_nominal_checkpoint")])
+def test_artifacts_where_an_artifact_file_is_a_folder_names_it(tmp_path, flags, taken) -> None:
+    """A folder in -o's folder where one of the files written goes: refused before the work, naming it (it
+    failed at the save with exit 1, '[Errno 21] Is a directory')."""
+    model = _loss_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "arts"
+    (out / taken).mkdir(parents=True)
+    proc = _cli("artifacts", model, "-o", str(out), *flags)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    line, = proc.stderr.strip().splitlines()
+    assert "-o/--output" in line and str(out / taken) in line and "Traceback" not in line, line
+    assert os.listdir(out) == [taken]
+
+
+def test_artifacts_beside_a_folder_it_does_not_write_are_written(tmp_path) -> None:
+    """A folder named as an artifact the command does not write (no --optimizer) is no obstacle."""
+    model = _loss_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "arts"
+    (out / "optimizer_model.onnx").mkdir(parents=True)
+    proc = _cli("artifacts", model, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(out)) == ["checkpoint", "eval_model.onnx", "optimizer_model.onnx",
+                                       "training_model.onnx"]
