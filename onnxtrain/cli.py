@@ -610,12 +610,15 @@ def _artifacts(a: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"-o/--output: cannot make the folder {a.output}: {e.strerror}") from None
     try:
-        artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
-            a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
-            optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
-            artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
-            nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
-            mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
+        try:
+            artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
+                a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
+                optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
+                artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
+                nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
+                mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
+        except artifacts.ArtifactError as e:
+            raise _flag_error(e) from None
     except BaseException:
         for folder in to_make:  # a failed run leaves none of the folders it made behind, if empty
             if os.path.isdir(folder) and not os.listdir(folder):
@@ -624,6 +627,27 @@ def _artifacts(a: argparse.Namespace) -> int:
     print(f"wrote the training artifacts of {a.model} to {a.output} "
           f"({_plural(len(requires), 'trainable parameter')})")
     return 0
+
+
+# generate_artifacts' arguments that a flag of ``artifacts`` sets, and the flag
+_ARTIFACT_FLAGS = {"requires_grad": "--requires-grad", "mixed_precision": "--mixed-precision",
+                   "frozen_params": "--frozen"}
+
+
+def _flag_error(e: Exception) -> Exception:
+    """generate_artifacts' refusal of what a flag chose (a --requires-grad value without gradient: not
+    floating-point, or not read by the loss; --mixed-precision of a model that is not float32) as a
+    UsageError naming the flags for the API's arguments; any other refusal (a model the gradient builder
+    cannot differentiate) as it is."""
+    import re
+
+    text = _one_line(e)
+    if text.startswith("cannot build the gradient graph") or not re.search(
+            r"\b(requires_grad|mixed_precision)\b", text):
+        return e
+    for arg, flag in _ARTIFACT_FLAGS.items():
+        text = re.sub(rf"(?<![\w-]){arg}\b", flag, text)
+    return UsageError(text)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -147,3 +147,44 @@ def test_artifacts_beside_a_folder_it_does_not_write_are_written(tmp_path) -> No
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(out)) == ["checkpoint", "eval_model.onnx", "optimizer_model.onnx",
                                        "training_model.onnx"]
+
+
+def _with_extras(path: str) -> str:
+    """_loss_model plus an int64 initializer and a float one that the loss does not read."""
+    model = onnx.load(_loss_model(path))
+    model.graph.initializer.extend([numpy_helper.from_array(np.array([1, 2], np.int64), "ints"),
+                                    numpy_helper.from_array(np.ones(3, np.float32), "unused")])
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--requires-grad", "ints"], ["--requires-grad", "'ints'", "INT64"]),
+    (["--requires-grad", "W,unused"], ["--requires-grad", "'unused'", "unreachable"]),
+])
+def test_artifacts_requires_grad_a_value_without_gradient_names_the_flag(tmp_path, flags, words) -> None:
+    """--requires-grad naming an int64 initializer, or one the loss does not read (the model's own types and
+    graph say so), is a bad command line as gradient-graph's --wrt is: exit 2, naming --requires-grad (it
+    was exit 1 in the API's words, 'requires_grad names ...', 'remove it from requires_grad')."""
+    model = _with_extras(str(tmp_path / "m.onnx"))
+    out = tmp_path / "arts"
+    proc = _cli("artifacts", model, "-o", str(out), *flags)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    line, = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words) and "Traceback" not in line, line
+    assert "requires_grad" not in line, line  # (the API's argument, not the command's flag)
+    assert not out.exists()  # (the folder it made is taken away)
+
+
+def test_artifacts_mixed_precision_of_a_float64_model_names_the_flag(tmp_path) -> None:
+    model = onnx.load(_loss_model(str(tmp_path / "m.onnx")))
+    w = model.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).astype(np.float64), w.name))
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    onnx.save(model, str(tmp_path / "m64.onnx"))
+    proc = _cli("artifacts", str(tmp_path / "m64.onnx"), "-o", str(tmp_path / "arts"), "--mixed-precision",
+                "float16")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    line, = proc.stderr.strip().splitlines()
+    assert "--mixed-precision" in line and "'W'" in line and "Traceback" not in line, line
