@@ -705,7 +705,13 @@ def expanded_sum(node: onnx.NodeProto) -> tuple[str, str, str] | None:
     before the Add's second (``"a + b"``); None for any other node."""
     if node.op_type != "Add" or not node.doc_string.startswith(EXPANDED_SUM):
         return None
-    name, made, summed = json.loads(node.doc_string[len(EXPANDED_SUM):])
+    try:  # (a graph's own Add may carry any doc_string, this prefix too: it is then that Add)
+        found = json.loads(node.doc_string[len(EXPANDED_SUM):])
+    except ValueError:
+        return None
+    if not (isinstance(found, list) and len(found) == 3 and all(isinstance(x, str) for x in found)):
+        return None
+    name, made, summed = found
     return name, made, summed
 
 
