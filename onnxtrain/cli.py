@@ -609,16 +609,22 @@ def _artifacts(a: argparse.Namespace) -> int:
         os.makedirs(a.output, exist_ok=True)
     except OSError as e:
         raise UsageError(f"-o/--output: cannot make the folder {a.output}: {e.strerror}") from None
+    caught: list[warnings.WarningMessage] = []
     try:
         try:
-            artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
-                a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
-                optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
-                artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
-                nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
-                mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
+            with warnings.catch_warnings(record=True) as caught:  # (said in the flags' words below)
+                warnings.simplefilter("always")
+                artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
+                    a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
+                    optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
+                    artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
+                    nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
+                    mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
         except artifacts.ArtifactError as e:
-            raise _flag_error(e) from None
+            raise _flag_error(e, a) from None
+        finally:
+            for text, category in dict.fromkeys((str(w.message), w.category) for w in caught):
+                warnings.warn(_flag_words(text, a), category, stacklevel=2)  # (each once, as by default)
     except BaseException:
         for folder in to_make:  # a failed run leaves none of the folders it made behind, if empty
             if os.path.isdir(folder) and not os.listdir(folder):
@@ -634,7 +640,17 @@ _ARTIFACT_FLAGS = {"requires_grad": "--requires-grad", "mixed_precision": "--mix
                    "frozen_params": "--frozen"}
 
 
-def _flag_error(e: Exception) -> Exception:
+def _flag_words(text: str, a: argparse.Namespace) -> str:
+    """A message of generate_artifacts with the flags of ``artifacts`` for the API's arguments."""
+    import re
+
+    for arg, flag in _ARTIFACT_FLAGS.items():
+        text = re.sub(rf"(?<![\w-]){arg}\b", flag, text)
+    text = text.replace("(loss=LossType..., a custom block)", "(--loss, with --loss-input-names)")
+    return re.sub(r"(?<![\w-])recompute=\{[^}]*\}", lambda _: f"--recompute {a.recompute}", text)
+
+
+def _flag_error(e: Exception, a: argparse.Namespace) -> Exception:
     """generate_artifacts' refusal of what a flag chose (a --requires-grad value without gradient: not
     floating-point, or not read by the loss; --mixed-precision of a model that is not float32) as a
     UsageError naming the flags for the API's arguments; any other refusal (a model the gradient builder
@@ -645,9 +661,7 @@ def _flag_error(e: Exception) -> Exception:
     if text.startswith("cannot build the gradient graph") or not re.search(
             r"\b(requires_grad|mixed_precision)\b", text):
         return e
-    for arg, flag in _ARTIFACT_FLAGS.items():
-        text = re.sub(rf"(?<![\w-]){arg}\b", flag, text)
-    return UsageError(text)
+    return UsageError(_flag_words(text, a))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -188,3 +188,25 @@ def test_artifacts_mixed_precision_of_a_float64_model_names_the_flag(tmp_path) -
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     line, = proc.stderr.strip().splitlines()
     assert "--mixed-precision" in line and "'W'" in line and "Traceback" not in line, line
+
+
+def _two_outputs(path: str) -> str:
+    """_loss_model with its [N, 2] product h as a second output."""
+    model = onnx.load(_loss_model(path))
+    model.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", 2]))
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize(("flags", "said", "unsaid"), [
+    (["--frozen", "nope"], "--frozen names ['nope']", "frozen_params"),
+    (["--loss-output", "h"], "give a loss (--loss, with --loss-input-names)", "LossType"),
+])
+def test_artifacts_warnings_name_the_flags(tmp_path, flags, said, unsaid) -> None:
+    """generate_artifacts' warnings about what a flag chose speak of the command's flags, not of the API's
+    arguments (they said 'frozen_params names', 'loss=LossType..., a custom block')."""
+    model = _two_outputs(str(tmp_path / "m.onnx"))
+    proc = _cli("artifacts", model, "-o", str(tmp_path / "arts"), *flags)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("onnxtrain: warning: ")]
+    assert len(warned) == 1 and said in warned[0] and unsaid not in warned[0], proc.stderr
