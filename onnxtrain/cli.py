@@ -612,8 +612,9 @@ def _artifacts(a: argparse.Namespace) -> int:
     caught: list[warnings.WarningMessage] = []
     try:
         try:
-            with warnings.catch_warnings(record=True) as caught:  # (said in the flags' words below)
-                warnings.simplefilter("always")
+            # (said in the flags' words below; the filters as they are: a library's DeprecationWarning stays
+            # ignored)
+            with warnings.catch_warnings(record=True) as caught:
                 artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
                     a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
                     optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
