@@ -279,8 +279,10 @@ def warn_config_not_applied(options: Any) -> None:
 
 
 # onnxruntime's session config keys for a CPU session (those of onnxruntime 1.32 that change what a CPU
-# session computes, how it runs, or what it writes): onnxruntime's own SessionOptions cannot list their
-# entries, so these are read from them one by one (config_entries)
+# session computes, how it runs, or what it writes: the keys its library holds, less those of other
+# providers, EP context models, compiling and MoE offload; session.disable_optimizers is onnxtrain's own,
+# which the backend gives onnxruntime as disabled_optimizers): onnxruntime's own SessionOptions cannot list
+# their entries, so these are read from them one by one (config_entries)
 ORT_SESSION_KEYS = tuple(f"session.{k}" for k in (
     "set_denormal_as_zero", "disable_prepacking", "use_env_allocators", "save_model_format",
     "load_model_format", "disable_cpu_ep_fallback", "disable_optimizers", "enable_quant_qdq_cleanup",
@@ -295,7 +297,16 @@ ORT_SESSION_KEYS = tuple(f"session.{k}" for k in (
     "use_device_allocator_for_initializers", "use_ort_model_bytes_for_initializers",
     "save_external_prepacked_constant_initializers", "prepack.enable_parallel",
     "collect_node_memory_stats_to_file", "node_partition_config_file",
-)) + tuple(f"optimization.{k}" for k in (
+    "intra_op.spin_backoff_max", "inter_op.spin_backoff_max", "kernel_dispatch_policy",
+    "function_expansion_byte_limit", "function_expansion_node_limit", "max_shape_override",
+    "gqa_value_layout", "debug_layout_transformation", "strict_workspace_verification",
+    "use_external_initializer_file_buffers_directly", "external_data_loader.chunk_bytes",
+    "external_data_loader.min_size_bytes", "external_data_loader.pinned_memory_bytes",
+    "external_data_loader.threads",
+)) + tuple(f"mlas.{k}" for k in (
+    "disable_kleidiai", "kleidiai.conv_igemm_max_work", "nchwc_depthwise_sliding",
+    "nchwc_pointwise_conv_max_input_channel_batch", "qnbit.force_fp32", "use_lut_gemm",
+)) + ("ep.cpu.qmoe_deferred_scale",) + tuple(f"optimization.{k}" for k in (
     "enable_gelu_approximation", "enable_cast_chain_elimination", "disable_specified_optimizers",
     "constant_folding_max_output_size_in_bytes", "minimal_build_optimizations",
 ))
