@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from tests.engine.run_stops import StopAtRead
 
 F = TensorProto.FLOAT
 
@@ -298,23 +299,6 @@ def test_outputs_passing_an_add_initializer_array_through_are_the_callers_own(la
             np.testing.assert_array_equal(after[0], np.full(3, 2, np.float32))
 
 
-class _StopAtRead(onnxtrain.RunOptions):
-    """RunOptions whose ``terminate`` reads True from its ``at``-th read on (a stop before each step in
-    turn, without timing)."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "_at", at)
-        object.__setattr__(self, "_reads", 0)
-
-    def __getattribute__(self, name: str):
-        if name == "terminate":
-            reads = object.__getattribute__(self, "_reads") + 1
-            object.__setattr__(self, "_reads", reads)
-            return reads >= object.__getattribute__(self, "_at")
-        return super().__getattribute__(name)
-
-
 def test_a_run_stopped_before_a_fused_step_names_a_node_of_the_graph() -> None:
     """A run stopped by ``RunOptions.terminate`` names the node it stopped before (onnxruntime's message
     names none). Before a step the engine fused (a linear layer's exported GELU: one elementwise step) it
@@ -342,7 +326,7 @@ def test_a_run_stopped_before_a_fused_step_names_a_node_of_the_graph() -> None:
     named = []
     for at in range(1, 20):
         try:
-            sess.run(None, {"x": x}, _StopAtRead(at))
+            sess.run(None, {"x": x}, StopAtRead(at))
             break
         except RuntimeError as e:
             assert "terminate" in str(e), e

@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from tests.engine.run_stops import StopAtRead
 
 F = TensorProto.FLOAT
 
@@ -169,23 +170,6 @@ def test_a_sum_of_operands_that_do_not_broadcast_fails_naming_the_sum(name: str)
     assert type(errors[1]) is type(errors[0])
 
 
-class _StopAtRead(onnxtrain.RunOptions):
-    """RunOptions whose ``terminate`` reads True from its ``at``-th read on (a stop before each step in
-    turn)."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "_at", at)
-        object.__setattr__(self, "_reads", 0)
-
-    def __getattribute__(self, name: str):
-        if name == "terminate":
-            reads = object.__getattribute__(self, "_reads") + 1
-            object.__setattr__(self, "_reads", reads)
-            return reads >= object.__getattribute__(self, "_at")
-        return super().__getattribute__(name)
-
-
 @pytest.mark.parametrize("first", ["Exp", None])
 def test_a_run_stopped_before_an_expanded_sum_names_a_node_of_the_graph(first: str | None) -> None:
     """A run stopped by ``RunOptions.terminate`` names the node it stopped before (64332ec5: a fused step's
@@ -200,7 +184,7 @@ def test_a_run_stopped_before_an_expanded_sum_names_a_node_of_the_graph(first: s
     named = []
     for at in range(1, 20):
         try:
-            sess.run(None, {"a": x, "b": x, "c": x}, _StopAtRead(at))
+            sess.run(None, {"a": x, "b": x, "c": x}, StopAtRead(at))
             break
         except RuntimeError as e:
             assert "terminate" in str(e), e
@@ -262,7 +246,7 @@ def test_a_run_stopped_before_a_fused_step_names_a_node_whose_name_holds_a_comma
     named = []
     for at in range(1, 10):
         try:
-            sess.run(None, {"a": np.ones(4, np.float32)}, _StopAtRead(at))
+            sess.run(None, {"a": np.ones(4, np.float32)}, StopAtRead(at))
             break
         except RuntimeError as e:
             found = re.search(r"before node '([^']*)'", str(e))

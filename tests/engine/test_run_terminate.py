@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from tests.engine.run_stops import StopAtRead
 from tests.session.helpers import backend_options, params
 
 F = TensorProto.FLOAT
@@ -152,23 +153,6 @@ def test_a_runs_config_entries_reach_onnxruntime(which: str) -> None:
         == (64, 64)
 
 
-class _StopAtRead(onnxtrain.RunOptions):
-    """RunOptions whose ``terminate`` reads True from its ``at``-th read on: a stop requested at each point
-    of a run in turn, without timing."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "_at", at)
-        object.__setattr__(self, "_reads", 0)
-
-    def __getattribute__(self, name: str):
-        if name == "terminate":
-            reads = object.__getattribute__(self, "_reads") + 1
-            object.__setattr__(self, "_reads", reads)
-            return reads >= object.__getattribute__(self, "_at")
-        return super().__getattribute__(name)
-
-
 def _wide_mlp() -> bytes:
     """x [N, 256] → Gemm 512 → Relu → Gemm 128 → cross-entropy: weights large enough that the update of
     each runs in steps of its own."""
@@ -204,7 +188,7 @@ def test_terminate_never_leaves_a_training_step_half_applied(backend: str) -> No
     stopped = 0
     for at in range(1, 1000):
         try:
-            s.run(["loss"], feeds, run_options=_StopAtRead(at))
+            s.run(["loss"], feeds, run_options=StopAtRead(at))
         except RuntimeError as e:
             assert "terminate" in str(e), e
             stopped += 1
