@@ -544,13 +544,24 @@ def check_state(sess, oracle: Oracle, case: Case, where: str) -> None:
 
 
 def run_case(case: Case, check_every_update: bool = True) -> dict[str, Any]:
-    """Train ``case`` and check it step by step; returns a summary (skipped updates, scales)."""
+    """Train ``case`` and check it step by step; returns a summary (skipped updates, scales). The oracle's
+    torch default dtype is float64 for the call only: the process's other tests keep theirs."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _run_case(case, check_every_update)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _run_case(case: Case, check_every_update: bool) -> dict[str, Any]:
     import torch
 
     from onnxtrain import RunOptions
     from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
 
-    torch.set_default_dtype(torch.float64)
     model = MODELS[case.kind]()
     rng = np.random.default_rng(case.seed + 1000)
     oracle = Oracle(case, model)
