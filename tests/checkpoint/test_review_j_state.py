@@ -148,6 +148,7 @@ _LOADS = PREAMBLE + textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # about 45 s: the full suite only (ONNXTRAIN_FULL_TESTS=1)
 def test_onnxruntime_training_loads_a_million_tables_and_refuses_one_more(tmp_path):
     """The limit itself, with onnxruntime-training 1.19.2 as the oracle: a file of ORT_MAX_TABLES tables (the
     root, module state, one parameter, property bag and properties) loads there, one more property is
