@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from tests.engine.run_stops import StopAtRead
+from tests.engine.unfused_failures import fails_as_unfused
 
 F = TensorProto.FLOAT
 
@@ -343,7 +344,6 @@ def test_a_bias_that_does_not_broadcast_fails_as_the_unfused_add() -> None:
     onnxruntime's Fail). The fused MatMul + Add step asked numpy whether the bias fits with
     np.broadcast_shapes, whose ValueError escapes: the run fails naming 'FusedMatMulAdd(/lin/Add)' (no
     node of the model), as a plain EngineError, with numpy's words about broadcast_shapes."""
-    import onnxruntime as ort
 
     w = numpy_helper.from_array(np.ones((4, 3), np.float32), "W")
     nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="/lin/MatMul"),
@@ -353,20 +353,8 @@ def test_a_bias_that_does_not_broadcast_fails_as_the_unfused_add() -> None:
                           [helper.make_tensor_value_info("y", F, ["B", 3])], [w])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     feed = {"x": np.ones((2, 4), np.float32), "b": np.ones(5, np.float32)}
-    with pytest.raises(Exception, match="/lin/Add"):  # noqa: PT011 - onnxruntime's Fail is no RuntimeError
-        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feed)
-    unfused = onnxtrain.SessionOptions()
-    unfused.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
-    errors = []
-    for options in (unfused, None):
-        sess = onnxtrain.InferenceSession(model, options)
-        with pytest.raises(RuntimeError) as e:
-            sess.run(None, feed)
-        errors.append(e.value)
+    sess = fails_as_unfused(model, feed, "/lin/Add", "Add", same_message=True)
     assert any(st.node.op_type == "FusedMatMulAdd" for st in sess._plan.steps)  # (what the test is about)
-    assert "node '/lin/Add' (Add)" in str(errors[0])
-    assert type(errors[1]) is type(errors[0])
-    assert str(errors[1]) == str(errors[0])
     # a bias that fits still adds
     y, = sess.run(None, {"x": np.ones((2, 4), np.float32), "b": np.arange(3, dtype=np.float32)})
     np.testing.assert_array_equal(y, 4 + np.arange(3, dtype=np.float32)[None].repeat(2, 0))
@@ -377,7 +365,6 @@ def test_a_lazy_select_of_operands_that_do_not_broadcast_fails_as_the_unfused_no
     With operands that do not broadcast together, onnxruntime (the oracle) fails naming the Add, and so does
     the unfused plan; the fused step's own np.broadcast_shapes raised first: the run failed naming
     'LazySelect(/sel/Where)' as a plain EngineError. It now fails as the unfused plan does."""
-    import onnxruntime as ort
 
     nodes = [helper.make_node("Add", ["a", "b"], ["s"], name="/sel/Add"),
              helper.make_node("Where", ["c", "x", "s"], ["y"], name="/sel/Where")]
@@ -389,20 +376,8 @@ def test_a_lazy_select_of_operands_that_do_not_broadcast_fails_as_the_unfused_no
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     feed = {"c": np.array([False]), "x": np.ones(3, np.float32), "a": np.ones(3, np.float32),
             "b": np.ones(2, np.float32)}
-    with pytest.raises(Exception, match="/sel/Add"):  # noqa: PT011 - onnxruntime's Fail is no RuntimeError
-        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feed)
-    unfused = onnxtrain.SessionOptions()
-    unfused.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
-    errors = []
-    for options in (unfused, None):
-        sess = onnxtrain.InferenceSession(model, options)
-        with pytest.raises(RuntimeError) as e:
-            sess.run(None, feed)
-        errors.append(e.value)
+    sess = fails_as_unfused(model, feed, "/sel/Add", "Add", same_message=True)
     assert any(st.node.op_type == "LazySelect" for st in sess._plan.steps)  # (what the test is about)
-    assert "node '/sel/Add' (Add)" in str(errors[0])
-    assert type(errors[1]) is type(errors[0])
-    assert str(errors[1]) == str(errors[0])
     for flag in (False, True):  # operands that broadcast: as onnxruntime computes them
         feed.update(c=np.array([flag]), b=np.full(3, 2, np.float32))
         want = np.full(3, 1 if flag else 3, np.float32)
