@@ -24,7 +24,7 @@ from onnxtrain.engine.fusion.common import (
     transposes_by,
 )
 from onnxtrain.engine.kernels.half_cast import HALF
-from onnxtrain.engine.kernels.matmul import half_product_plus
+from onnxtrain.engine.kernels.matmul import fits_onto, half_product_plus
 from onnxtrain.engine.parallel import for_ranges_with_own_blas
 from onnxtrain.engine.registry import Attrs
 from onnxtrain.ir.conv_shapes import live_offsets
@@ -589,7 +589,7 @@ def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
             and type(bias) is np.ndarray
             and y.flags.writeable
             and y.dtype == np.result_type(y, bias)
-            and _fits_onto(y.shape, bias.shape)
+            and fits_onto(y.shape, bias.shape)
             and not np.may_share_memory(y, a)
             and not np.may_share_memory(y, b)
             and not np.may_share_memory(y, bias)
@@ -599,14 +599,3 @@ def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
         return plan._call(add, [bias, y] if first else [y, bias])
 
     return run
-
-
-@functools.lru_cache(maxsize=256)
-def _fits_onto(shape: tuple[int, ...], other: tuple[int, ...]) -> bool:
-    """Whether ``other`` broadcasts onto ``shape`` without growing it, remembered per pair of shapes: the Add
-    after a MatMul asks at every run, and numpy's answer costs as much as a small Add. Shapes that do not
-    broadcast at all answer False: the unfused Add then fails, naming its node."""
-    try:
-        return np.broadcast_shapes(shape, other) == shape
-    except ValueError:
-        return False

@@ -6,6 +6,8 @@ has no BLAS path for them.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from onnxtrain.engine.kernels.half_cast import HALF, from_single, narrow, round_to_half, to_single
@@ -37,6 +39,17 @@ def _low_precision(dt: np.dtype) -> bool:
     return dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
 
 
+@functools.lru_cache(maxsize=256)
+def fits_onto(shape: tuple[int, ...], other: tuple[int, ...]) -> bool:
+    """Whether ``other`` broadcasts onto ``shape`` without growing it, remembered per pair of shapes: the Add
+    after a MatMul asks at every run, and numpy's answer costs as much as a small Add. Shapes that do not
+    broadcast at all answer False: the unfused Add then fails, naming its node."""
+    try:
+        return np.broadcast_shapes(shape, other) == shape
+    except ValueError:
+        return False
+
+
 def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray, bias_first: bool = False
                       ) -> np.ndarray | None:
     """``Add(MatMul(a, b), bias)`` (``Add(bias, MatMul(a, b))`` with ``bias_first``) of float16 arrays with
@@ -50,11 +63,7 @@ def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray, bias_first
         y = np.asarray(np.matmul(to_single(a), to_single(b)))  # (1-D by 1-D: a scalar, made a 0-d array)
     except ValueError:  # (operands that do not multiply: the unfused MatMul fails, naming its node)
         return None
-    try:
-        fits = np.broadcast_shapes(y.shape, bias.shape) == y.shape
-    except ValueError:  # (shapes that do not broadcast: the unfused Add fails, naming its node)
-        fits = False
-    if not fits:
+    if not fits_onto(y.shape, bias.shape):  # (shapes that do not broadcast: the unfused Add fails, naming it)
         return None
     if not round_to_half(y):  # a value of 2¹⁵ or more (it may overflow), infinite or NaN: numpy's own add
         p = narrow(y)
