@@ -7,11 +7,13 @@ import errno
 import os
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import onnx
 
+from onnxtrain import __version__
 from onnxtrain.ir.io import (
     FRESH_SUFFIX,
     HAS_LOCKS,
@@ -23,6 +25,8 @@ from onnxtrain.ir.io import (
     write_atomic,
 )
 from onnxtrain.ir.large import check_model_arrays
+from onnxtrain.ir.stream import elem_type
+from onnxtrain.ir.types import np_dtype
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import inference_parts
 
@@ -204,11 +208,108 @@ def checkpoint_candidates(path: str) -> list[str]:
 
 def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndarray], path: str) -> None:
     """Write the plain inference model (logits only, trained weights as initializers) to ``path``, the large
-    weights written from ``weights`` as they are (no proto copy of them, no whole serialization)."""
+    weights written from ``weights`` as they are (no proto copy of them, no whole serialization).
+
+    A model whose data inputs declare one fixed batch size (a torch export without ``dynamic_axes``) is
+    written with a symbolic batch axis (``batch``) when it runs at other batch sizes (tried at 1 and 2
+    rows); otherwise it keeps the fixed size and a warning on stderr says why."""
     m, arrays = inference_parts(model, [cfg.model.logits], weights)
-    m.producer_name = "onnxtrain"
-    check_model_arrays(m, arrays)
-    save_model_sized(m, path, arrays=arrays)
+    m.producer_name, m.producer_version = "onnxtrain", __version__
+    free, why = any_batch_export(m, arrays)
+    if why:
+        print(f"onnxtrain: warning: {path} keeps the model's fixed batch size: {why}", file=sys.stderr)
+    check_model_arrays(free, arrays)
+    save_model_sized(free, path, arrays=arrays)
+
+
+BATCH_SYMBOL = "batch"  # the name of the exported model's batch axis where it was a fixed size
+
+
+def _first_dims(values: Any) -> list[tuple[str, int | None]]:
+    """(name, fixed size of axis 0 or None) of the tensor values that declare at least one axis."""
+    found = []
+    for v in values:
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape") \
+                and len(v.type.tensor_type.shape.dim):
+            d = v.type.tensor_type.shape.dim[0]
+            found.append((v.name, d.dim_value if d.HasField("dim_value") else None))
+    return found
+
+
+def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]] = ()
+                     ) -> tuple[onnx.ModelProto, str | None]:
+    """``m`` (an inference model whose weights are initializers or ``arrays``) with its fixed batch axis
+    made symbolic, and None; or ``m`` itself and the reason it keeps its batch size (the data inputs'
+    first axes differ, or the model fails or gives other batch sizes at 1 and 2 rows: a Reshape or Expand
+    to a constant shape holding the batch size, say). A model without fixed first axes is returned as is."""
+    held = {t.name for t in m.graph.initializer} | {n for n, _ in arrays}
+    data = _first_dims(v for v in m.graph.input if v.name not in held)
+    sizes = {n for _, n in data if n is not None}
+    if not sizes:
+        return m, None
+    if len(sizes) > 1 or any(n is None for _, n in data):
+        return m, ("its inputs' first axes are not one batch axis "
+                   f"({', '.join(f'{k}: {n if n is not None else chr(63)}' for k, n in data)})")
+    (fixed,) = sizes
+    outs = _first_dims(m.graph.output)
+    if any(n is not None and n != fixed for _, n in outs):
+        return m, f"an output's first axis is not its batch axis of {fixed} ({dict(outs)})"
+    free = onnx.ModelProto()
+    free.CopyFrom(m)
+    g = free.graph
+    for v in [*(v for v in g.input if v.name not in held), *g.output]:
+        dims = v.type.tensor_type.shape.dim if v.type.HasField("tensor_type") else ()
+        if len(dims) and dims[0].HasField("dim_value"):
+            dims[0].dim_param = BATCH_SYMBOL
+    del g.value_info[:]  # (shapes inferred for the fixed batch)
+    why = _runs_at_any_batch(free, arrays, fixed)
+    return (m, why) if why else (free, None)
+
+
+def _runs_at_any_batch(free: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]], fixed: int
+                       ) -> str | None:
+    """None when ``free`` runs on the numpy engine at 1 and 2 rows, each output's first axis that many
+    rows, the first row alike in both; else what went wrong."""
+    from onnxtrain.engine.backends import make_plan
+
+    trial = onnx.ModelProto()
+    trial.CopyFrom(free)
+    g = trial.graph
+    for name, a in arrays:  # (fed, not copied into the proto)
+        g.input.append(onnx.helper.make_tensor_value_info(name, elem_type(a), a.shape))
+    held = {t.name for t in g.initializer} | {n for n, _ in arrays}
+    rng = np.random.default_rng(0)
+    results = []
+    try:
+        plan = make_plan(trial)
+        for rows in (1, 2):
+            feeds: dict[str, Any] = dict(arrays)
+            for v in g.input:
+                if v.name in held:
+                    continue
+                tt = v.type.tensor_type
+                shape = [rows, *(d.dim_value if d.HasField("dim_value") else 1 for d in tt.shape.dim[1:])]
+                dt = np_dtype(tt.elem_type)
+                feeds[v.name] = (rng.standard_normal(shape).astype(dt) if dt.kind == "f"
+                                 else np.zeros(shape, dt))
+            if rows == 2:  # (row 0 as at 1 row)
+                for v in g.input:
+                    if v.name not in held:
+                        feeds[v.name][:1] = results[0][1][v.name]
+            outs = plan.run(feeds)
+            results.append((outs, feeds))
+    except Exception as e:  # noqa: BLE001 - any failure at another batch size keeps the fixed one
+        return f"at {len(results) + 1} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
+    for rows, (outs, _) in enumerate(results, 1):
+        for o, a in zip(g.output, outs):
+            if np.ndim(a) == 0 or np.shape(a)[0] != rows:
+                return f"at {rows} rows instead of {fixed}, output {o.name!r} has shape {list(np.shape(a))}"
+    for o, a, b in zip(g.output, results[0][0], results[1][0]):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "fc" and not np.allclose(a[:1], b[:1], rtol=1e-3, atol=1e-5, equal_nan=True) or \
+                a.dtype.kind not in "fc" and not np.array_equal(a[:1], b[:1]):
+            return f"output {o.name!r}'s first row changes with the rows after it (the rows mix)"
+    return None
 
 
 def _plain_log_labels() -> type:

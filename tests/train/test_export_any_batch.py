@@ -1,0 +1,104 @@
+"""`onnxtrain export` of a model torch exported without ``dynamic_axes`` (a fixed batch of 16): the exported
+model takes any batch size when its ops allow it (it kept the fixed 16, so onnxruntime refused 1 or 7 rows),
+and keeps the fixed size with a warning when they do not (a Reshape to a constant shape holding 16). Oracles:
+onnxruntime's inference package runs the file at 1, 7 and 16 rows; onnx.checker's full check; the numpy
+engine on the same rows. The file names onnxtrain and its version as its producer."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import onnxtrain
+from onnxtrain.cli import main
+
+BATCH = 16
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _BakedReshape(_Mlp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the batch size as a Python int: a constant shape
+        return self.fc2(torch.relu(self.fc1(x.reshape(BATCH, 3, 4).reshape(BATCH, 12))))
+
+
+def _export(net: nn.Module, path: str) -> None:
+    torch.manual_seed(0)
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(BATCH, 12),), buf, dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["logits"])
+    m = onnx.load_from_string(buf.getvalue())
+    assert [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim] == [BATCH, 12]
+    onnx.save(m, path)
+
+
+def _train_and_export(tmp_path, net: nn.Module) -> str:
+    torch.manual_seed(0)
+    _export(net, str(tmp_path / "net.onnx"))
+    r = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=r.standard_normal((160, 12)).astype(np.float32), y=r.integers(0, 3, 160))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model: {{path: {tmp_path / 'net.onnx'}, add_loss: cross_entropy, labels: labels}}\n"
+        f"data: {{source: files, path: {tmp_path / 'd.npz'}, feeds: {{x: x, labels: y}}, "
+        "eval_fraction: 0.2}\n"
+        "optimizer: {name: adam, lr: 1.0e-2}\n"
+        f"training: {{batch_size: {BATCH}, eval_batch_size: {BATCH}, steps: 3, eval_every: 3, seed: 3}}\n")
+    out = str(tmp_path / "run")
+    assert main(["train", str(cfg), "-q", "--output-dir", out]) == 0
+    exported = str(tmp_path / "exported.onnx")
+    assert main(["export", str(cfg), "--checkpoint", out, "-o", exported]) == 0
+    return exported
+
+
+def _first_dim(m: onnx.ModelProto) -> onnx.TensorShapeProto.Dimension:
+    return m.graph.input[0].type.tensor_type.shape.dim[0]
+
+
+def _same_as_engine(path: str, rows: int) -> None:
+    x = np.random.default_rng(rows).standard_normal((rows, 12)).astype(np.float32)
+    want = onnxtrain.InferenceSession(path).run(None, {"x": x})[0]
+    got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == (rows, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_batch_export_takes_any_batch(tmp_path, capsys) -> None:
+    path = _train_and_export(tmp_path, _Mlp())
+    assert "keeps the model's fixed batch size" not in capsys.readouterr().err
+    m = onnx.load(path)
+    onnx.checker.check_model(m, full_check=True)
+    assert _first_dim(m).dim_param and not _first_dim(m).HasField("dim_value")
+    assert m.graph.output[0].type.tensor_type.shape.dim[0].dim_param == _first_dim(m).dim_param
+    assert (m.producer_name, m.producer_version) == ("onnxtrain", onnxtrain.__version__)
+    for rows in (1, 7, BATCH):
+        _same_as_engine(path, rows)
+
+
+def test_constant_batch_reshape_keeps_fixed_batch_and_says_why(tmp_path, capsys) -> None:
+    path = _train_and_export(tmp_path, _BakedReshape())
+    err = capsys.readouterr().err
+    assert "keeps the model's fixed batch size" in err and "at 1 rows instead of 16" in err, err
+    m = onnx.load(path)
+    onnx.checker.check_model(m, full_check=True)
+    assert _first_dim(m).dim_value == BATCH
+    _same_as_engine(path, BATCH)
+    with pytest.raises(Exception, match="(?i)dimension|shape"):  # onnxruntime refuses other sizes too
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.zeros((7, 12), np.float32)})
