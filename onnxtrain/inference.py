@@ -366,7 +366,9 @@ class InferenceSession:
         begin = time.perf_counter_ns()
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
-        if self._backend == "numpy":
+        # (with ORT_LOAD_CONFIG_FROM_MODEL=1 onnxruntime drops the caller's session config entries, whatever
+        # the model's ort_config says: it applies none of them either, and there is nothing to warn of)
+        if self._backend == "numpy" and not model_config_asked():
             warn_config_not_applied(self._sess_options)
         # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
         # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing
