@@ -564,9 +564,8 @@ def _artifacts(a: argparse.Namespace) -> int:
     if not to_make:
         _check_writable(a.output)
     written = [os.path.join(a.output, a.prefix + f) for f in artifacts.ARTIFACT_FILES]
-    made = ["training_model.onnx", "eval_model.onnx", "checkpoint",
-            *(["nominal_checkpoint"] * a.nominal_checkpoint), *(["optimizer_model.onnx"] * bool(a.optimizer))]
-    for f in made:  # (found now, not after the work as the save's IsADirectoryError)
+    # a folder where an artifact goes: found now, not after the work as the save's IsADirectoryError
+    for f in artifacts.artifact_files(a.nominal_checkpoint, bool(a.optimizer)):
         if os.path.isdir(os.path.join(a.output, a.prefix + f)):
             raise UsageError(f"-o/--output: {os.path.join(a.output, a.prefix + f)} is a folder, where the "
                              f"artifact {a.prefix + f} goes; write to another folder (or give a --prefix)")

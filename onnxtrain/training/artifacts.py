@@ -436,7 +436,7 @@ def generate_artifacts(
                  "(its Module accumulates gradients in place and drops the training model's gradient "
                  "outputs, so its gradients stay 0; its Optimizer refuses the optimizer model): its eval "
                  "model and checkpoint work there, and onnxtrain's Module trains these artifacts")
-    written = {"checkpoint", *models} | ({"nominal_checkpoint"} if nominal_checkpoint else set())
+    written = artifact_files(nominal_checkpoint, optimizer_model is not None)
     stale = [prefix + n for n in ARTIFACT_FILES if n not in written and os.path.exists(path(n))]
     if stale:  # an earlier generation's files, which do not go with these (as onnxruntime, they are kept)
         warn(f"{folder} also holds {stale} from an earlier generation, which do not go with the artifacts "
@@ -493,6 +493,13 @@ def _stage_ort_format(files: StagedFiles, models: dict[str, onnx.ModelProto], fo
 # the files generate_artifacts may write (each with the prefix)
 ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint", "nominal_checkpoint",
                   "optimizer_model.onnx")
+
+
+def artifact_files(nominal_checkpoint: bool, optimizer: bool) -> list[str]:
+    """The files (without prefix) one generation writes, given its nominal_checkpoint and optimizer
+    options."""
+    wanted = {"nominal_checkpoint": nominal_checkpoint, "optimizer_model.onnx": optimizer}
+    return [n for n in ARTIFACT_FILES if wanted.get(n, True)]
 
 
 def _refuse_optimizer_without_parameters(input_grads: list[str]) -> None:
