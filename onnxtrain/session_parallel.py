@@ -20,7 +20,7 @@ from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
-from onnxtrain.parallel.buckets import scale_into
+from onnxtrain.parallel.buckets import scale_into, wire_dtype
 from onnxtrain.parallel.fingerprint import array_digest, canonical, check_same_scalars, digest
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
@@ -63,8 +63,10 @@ class DataParallelSteps:
             self._specs = specs
             for sp in specs:
                 self._store[sp.name] = sp.initial.copy()
-            self._zgrad = np.zeros(z.padded, dt)
-            self._zown = np.zeros(z.per_rank, dt)
+            # half-precision gradients are summed in float32 and scaled after the sum, rounded once
+            self._zgrad = np.zeros(z.padded, wire_dtype(dt))
+            self._zown = np.zeros(z.per_rank, wire_dtype(dt))
+            self._zdtype = np.dtype(dt)
 
     def _run_data_parallel(self, names: list[str], feeds: dict[str, Any]) -> list[np.ndarray]:
         """One optimizer step across ranks: local gradients → exchange (allreduce/Adasum/ZeRO) → update."""
@@ -161,10 +163,13 @@ class DataParallelSteps:
         ``feeds``: the step's, whose learning rate and loss scale every rank must have fed alike."""
         g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
         got: dict[str, np.ndarray] = {}
-        z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
+        half = self._zgrad.dtype != self._zdtype
+        z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, 1.0 if half else self._grad_scale)
         own = comm.reduce_scatter_(
             self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
         )
+        if half:  # the float32 sum times the float64 factor, rounded once to the weights' type
+            own = (own * np.float64(self._grad_scale)).astype(self._zdtype)
         self._check_same_update_feeds(feeds)  # each owner updates its share with its own feeds
         own64 = own.astype(np.float64)
         total = comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")

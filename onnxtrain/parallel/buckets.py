@@ -3,7 +3,11 @@
 Tensors of one dtype are laid out back to back in one flat buffer per dtype; the buffer is reduced
 in chunks of at most ``bucket_bytes`` (one ``MPI_Allreduce`` each). Each gradient is copied in and
 scaled in the same pass (``1/(N·D)`` as in the legacy), and the reduced gradients are returned as
-views of the flat buffer, valid until the next reduction.
+views of the flat buffer, valid until the next reduction. Half-precision gradients (float16, bfloat16,
+float8) are summed unscaled in float32 (exact for a few ranks' half values or float32 accumulation sums),
+then times the factor in float64, rounded once to their type: the ranks' mean as one process rounds it. A
+buffer of the half type rounded twice (each rank's scaled part, then the sum; float16 at every addition of
+MPI's reduction tree), one element in three a unit in the last place off.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ class BucketReducer:
         sizes: dict[np.dtype, int] = {}
         where: list[tuple[np.dtype, int, int]] = []
         for shape, dt in zip(shapes, dtypes):
-            key = np.dtype(dt)  # the dtype itself: its string is "<V2" for ml_dtypes' bfloat16
+            key = wire_dtype(dt)  # a dtype itself: its string is "<V2" for ml_dtypes' bfloat16
             n = int(np.prod(shape, dtype=np.int64))
             where.append((key, sizes.get(key, 0), n))
             sizes[key] = sizes.get(key, 0) + n
         self.flat = {k: np.zeros(n, k) for k, n in sizes.items()}
-        self.views = [self.flat[k][o:o + n].reshape(shape) for (k, o, n), shape in zip(where, shapes)]
+        self.wire = [self.flat[k][o:o + n].reshape(shape) for (k, o, n), shape in zip(where, shapes)]
+        # what reduce() returns: the wire views themselves, or arrays of the gradients' own half type
+        self.views = [w if w.dtype == np.dtype(dt) else np.zeros(w.shape, dt)
+                      for w, dt in zip(self.wire, dtypes)]
         self.chunks: list[np.ndarray] = []
         for buf in self.flat.values():
             step = max(1, bucket_bytes // buf.itemsize)
@@ -40,17 +47,35 @@ class BucketReducer:
         self.nbytes = sum(b.nbytes for b in self.flat.values())
 
     def reduce(self, arrays: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
-        """``scale · Σ_ranks arrays[i]`` for every i, as views of the reducer's buffers."""
+        """``scale · Σ_ranks arrays[i]`` for every i, as views of the reducer's buffers (of the given dtypes;
+        valid until the next call)."""
         if len(arrays) != len(self.views):
             raise ValueError(f"expected {len(self.views)} gradients, got {len(arrays)}")
-        for a, v in zip(arrays, self.views):
+        for i, (a, v) in enumerate(zip(arrays, self.wire)):
             if np.shape(a) != v.shape:
-                raise ValueError(f"gradient of shape {list(np.shape(a))} where {list(v.shape)} was expected")
-            scale_into(a, scale, v)
+                raise ValueError(f"gradient {i} of shape {list(np.shape(a))} where {list(v.shape)} was "
+                                 "expected")
+            if v is not self.views[i]:  # a half type: summed in float32 as it is, scaled after the sum
+                np.copyto(v, a, casting="same_kind")
+            else:
+                scale_into(a, scale, v)
         for k, c in enumerate(self.chunks):
             self.comm.allreduce_(c, f"gradient allreduce (bucket {k + 1} of {len(self.chunks)}, "
                                     f"{c.nbytes} bytes)")
+        for w, v in zip(self.wire, self.views):
+            if v is not w:  # the float32 sum times the float64 factor, rounded once to the half type
+                np.copyto(v, w * np.float64(scale) if scale != 1.0 else w, casting="unsafe")
         return self.views
+
+
+def wire_dtype(dtype: np.dtype) -> np.dtype:
+    """The type a gradient of ``dtype`` is summed in across ranks: float32 for the half and quarter
+    precision floats (numpy's float16, ml_dtypes' bfloat16 and float8 types, which numpy sees as kind 'V'),
+    else ``dtype`` itself."""
+    dt = np.dtype(dtype)
+    if dt.kind == "V" or (dt.kind == "f" and dt.itemsize < 4):
+        return np.dtype(np.float32)
+    return dt
 
 
 def scale_into(a: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:

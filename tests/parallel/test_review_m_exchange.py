@@ -1,0 +1,198 @@
+"""Review M: the gradient exchange of the legacy session over MPI against independent float64 oracles.
+
+One ``mpiexec -n 2`` spawn of ``review_m_worker.py`` (a 3-rank one in the full suite) gives every rank's
+results; the oracles are computed here:
+
+* allreduce (SGD; Adam with clipping and 2 micro-steps of accumulation) and ZeRO stage 1 (Adam with clipping,
+  with and without accumulation; the gathered moments too): torch float64 gradients of the mean loss over the
+  step's whole batch (every rank's rows, every micro-step), clipped by their global norm, and onnxruntime's
+  Adam (``AdamOptimizer``: bias-corrected, ε outside the square root) written here in float64;
+* Adasum (SGD; Adam with 2 micro-steps): each rank's own step in float64 (its own moments, clipped by its
+  own norm), the deltas combined by the pairwise rule of Horovod / onnxruntime's Adasum written here (per
+  tensor, ``(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b``, a coefficient 1 below sqrt(DBL_MIN));
+* half-precision gradients: the exchanged mean is the float64 mean of the ranks' gradient sums rounded
+  once to the half type (it was rounded twice: each rank's scaled part, then the float32 sum);
+* a mixed-precision step skipped for overflow on one rank or on all: every rank skips it, the weights stay
+  bit-identical across ranks and equal (bit for bit) to a session that never saw the skipped steps.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from tests.parallel import review_m_worker as wk
+from tests.parallel.conftest import run_mpi
+from tests.tiers import extended
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "review_m_worker.py")
+WEIGHTS = ("W1", "b1", "W2", "b2")
+_TINY = float(np.sqrt(np.finfo(np.float64).tiny))
+
+
+@pytest.fixture(scope="module", params=[2, extended(3, id="3")], ids=lambda n: str(n))
+def ranks(request, tmp_path_factory) -> list[dict]:
+    n = request.param
+    out = tmp_path_factory.mktemp("review_m") / f"n{n}.pkl"
+    r = run_mpi(str(out), n=n, timeout=300, worker=WORKER)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+# ---- the float64 oracle -------------------------------------------------------------------------
+def _initial() -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t).astype(np.float64) for t in wk.model().graph.initializer}
+
+
+def _gradients(w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """float64 gradients of mean((tanh(x·W1ᵀ + b1)·W2ᵀ + b2 − y)²) by torch autograd."""
+    import torch
+
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in w.items()}
+    xt, yt = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    o = torch.tanh(xt @ t["W1"].T + t["b1"]) @ t["W2"].T + t["b2"]
+    ((o - yt) ** 2).mean().backward()
+    return {k: v.grad.numpy() for k, v in t.items()}
+
+
+def _mean_gradients(w, batches) -> dict[str, np.ndarray]:
+    """The mean of the micro-batches' gradients (equal sizes: the gradient of the mean loss of all rows)."""
+    gs = [_gradients(w, x, y) for x, y in batches]
+    return {k: sum(g[k] for g in gs) / len(gs) for k in w}
+
+
+def _clip(g: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    norm = np.sqrt(sum(float(np.sum(v * v)) for v in g.values()))
+    return {k: v * (wk.MAX_NORM / norm) for k, v in g.items()} if norm > wk.MAX_NORM else g
+
+
+class _Adam:
+    """onnxruntime's AdamOptimizer (weight decay 0, bias correction on), float64."""
+
+    def __init__(self, w):
+        self.m = {k: np.zeros_like(v) for k, v in w.items()}
+        self.v = {k: np.zeros_like(v) for k, v in w.items()}
+        self.t = 0
+
+    def step(self, w, g):
+        self.t += 1
+        a, b, eps = 0.9, 0.999, 1e-8
+        new = {}
+        for k in w:
+            self.m[k] = a * self.m[k] + (1 - a) * g[k]
+            self.v[k] = b * self.v[k] + (1 - b) * g[k] * g[k]
+            mh, vh = self.m[k] / (1 - a ** self.t), self.v[k] / (1 - b ** self.t)
+            new[k] = w[k] - wk.LR * mh / (np.sqrt(vh) + eps)
+        return new
+
+
+def _sgd(w, g):
+    return {k: w[k] - wk.LR * g[k] for k in w}
+
+
+def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dot, na, nb = float(np.vdot(a, b)), float(np.vdot(a, a)), float(np.vdot(b, b))
+    ca = 1.0 - dot / na * 0.5 if na >= _TINY else 1.0
+    cb = 1.0 - dot / nb * 0.5 if nb >= _TINY else 1.0
+    return ca * a + cb * b
+
+
+def _adasum(vectors: list[np.ndarray]) -> np.ndarray:
+    while len(vectors) > 1:  # rank 2i with 2i+1, then the pairs' results, ...
+        vectors = [_adasum_pair(a, b) for a, b in zip(vectors[0::2], vectors[1::2])]
+    return vectors[0]
+
+
+def oracle(name: str, size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The float64 weights after the case's 3 steps, and the Adam moments (``Moment_1_<w>``, ...) when one
+    state is shared (allreduce, ZeRO)."""
+    mode, opt, acc = wk.CASES[name]
+    micro = wk.micro_batches(acc)
+    w = _initial()
+    if mode != "adasum":
+        adam = _Adam(w)
+        for s in range(wk.STEPS):
+            g = _mean_gradients(w, micro[s * acc:(s + 1) * acc])
+            w = adam.step(w, _clip(g)) if opt == "AdamOptimizer" else _sgd(w, g)
+        moments = {f"Moment_{i}_{k}": m[k] for k in w for i, m in ((1, adam.m), (2, adam.v))}
+        return w, moments if opt == "AdamOptimizer" else {}
+    adams = [_Adam(w) for _ in range(size)]
+    for s in range(wk.STEPS):
+        deltas = []
+        for r in range(size):
+            mine = [(wk.part(x, r, size), wk.part(y, r, size)) for x, y in micro[s * acc:(s + 1) * acc]]
+            g = _mean_gradients(w, mine)
+            new = adams[r].step(w, _clip(g)) if opt == "AdamOptimizer" else _sgd(w, g)
+            deltas.append({k: new[k] - w[k] for k in w})
+        w = {k: w[k] + _adasum([d[k] for d in deltas]) for k in w}
+    return w, {}
+
+
+# ---- the tests ----------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", list(wk.CASES))
+def test_training_matches_the_float64_oracle(ranks, name: str) -> None:
+    size = len(ranks)
+    mode = wk.CASES[name][0]
+    if mode == "adasum" and size & (size - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    want, moments = oracle(name, size)
+    states = [r["train"][name] for r in ranks]
+    for k in WEIGHTS:
+        for r, st in enumerate(states):  # float32 training against float64: 3 steps of size ~LR
+            np.testing.assert_allclose(st[k], want[k], rtol=1e-4, atol=2e-6, err_msg=f"{name} {k} rank {r}")
+            np.testing.assert_array_equal(st[k], states[0][k], err_msg=f"{name} {k}: ranks differ")
+    for k, v in moments.items():  # ZeRO: gathered from the ranks' pieces
+        for r, st in enumerate(states):
+            np.testing.assert_allclose(st[k], v, rtol=2e-4, atol=1e-9, err_msg=f"{name} {k} rank {r}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tname", list(wk.HALF_TYPES))
+def test_half_gradients_are_averaged_rounding_once(ranks, tname: str) -> None:
+    """W = 0 − (−1)·mean gradient: the exchanged mean itself, bit for bit (allreduce, ZeRO's reduce-scatter,
+    the on-device ``allreduce_gradients``)."""
+    size = len(ranks)
+    dtype = wk.HALF_TYPES[tname][1]
+    rows = wk.half_rows(size, dtype)
+    sums = rows.astype(np.float64).sum(axis=1)  # [size, HALF_N]; each rank's float32 sum is exact
+    mean = (sums.sum(0) / (size * wk.HALF_MICRO)).astype(dtype)
+    for r, got in enumerate(ranks):
+        for mode in ("allreduce", "zero"):
+            w = got["half"][f"{tname}_{mode}"]
+            bad = int(np.sum(w.astype(np.float64) != mean.astype(np.float64)))
+            assert bad == 0, f"{tname} {mode} rank {r}: {bad} of {w.size} not the mean rounded once"
+        local = sums.astype(dtype).astype(np.float64)  # each rank's sum rounded to the half type first
+        for average, want in ((False, local.sum(0)), (True, local.sum(0) / size)):
+            w = got["half"][f"{tname}_allreduce_gradients_{average}"]
+            bad = int(np.sum(w.astype(np.float64) != want.astype(dtype).astype(np.float64)))
+            assert bad == 0, f"{tname} allreduce_gradients average={average} rank {r}: {bad} off"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["adasum", "zero", "allreduce"])
+def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: str) -> None:
+    """Steps 2 (rank 1 overflows) and 3 (every rank) are skipped on every rank: all_gradients_finite (and
+    Adasum's adasum_all_deltas_finite) false on both; weights, moments and counts bit-identical to the
+    session that ran steps 1 and 4 only, and across ranks (under Adasum the weights: each rank keeps its own
+    moments)."""
+    if "skip" not in ranks[0]:
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    for r, got in enumerate(ranks):
+        state, flags = got["skip"][mode]["skipped"]
+        control, cflags = got["skip"][mode]["control"]
+        width = len(flags[0])
+        assert flags == [[True] * width, [False] * width, [False] * width, [True] * width], (mode, r, flags)
+        assert cflags == [[True] * width] * 2, (mode, r, cflags)
+        assert sorted(state) == sorted(control), (mode, r)
+        for k in state:
+            np.testing.assert_array_equal(state[k], control[k], err_msg=f"{mode} {k} rank {r}")
+            if mode != "adasum" or k in WEIGHTS:  # (Adasum's ranks keep optimizer states of their own)
+                np.testing.assert_array_equal(state[k], ranks[0]["skip"][mode]["skipped"][0][k],
+                                              err_msg=f"{mode} {k}: rank {r} differs from rank 0")
