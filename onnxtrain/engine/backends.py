@@ -209,8 +209,61 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
         model = _distinct_seeds(model, random_state)
     if isinstance(model, onnx.ModelProto):
         _warn_float16_products(model)
-    return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
-                   keep_binding=keep_binding, scalar_inputs=scalar_inputs)
+    from onnxtrain.engine.interface import EngineError
+
+    try:
+        return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
+                       keep_binding=keep_binding, scalar_inputs=scalar_inputs)
+    except EngineError as e:
+        raise _as_onnxruntime_raised(e, options) from None
+
+
+def _load_failure_classes() -> dict[str, type]:
+    """onnxruntime's exception classes by name → the EngineError that is also onnxtrain's mirror of it."""
+    from onnxtrain import errors
+    from onnxtrain.engine.interface import EngineError
+
+    mirrors = {"InvalidArgument": errors.InvalidArgument, "RuntimeException": errors.RuntimeException,
+               "NoSuchFile": errors.NoSuchFile, "InvalidProtobuf": errors.InvalidProtobuf,
+               "InvalidGraph": errors.InvalidGraph, "NotImplemented": errors.NotImplementedError_,
+               "EPFail": errors.EPFail, "ValueError": errors.FailValueError}
+    # (named as onnxruntime's, as a comparison of class names with onnxruntime's expects)
+    return {name: type("EngineValueError" if name == "ValueError" else name, (EngineError, mirror), {
+        "__module__": __name__,
+        "__doc__": f"onnxruntime refused to load the graph with its {name}: an EngineError and that class."})
+        for name, mirror in mirrors.items()}
+
+
+_LOAD_FAILURES: dict[str, type] = {}
+
+
+def _as_onnxruntime_raised(e: Exception, options: Any) -> Exception:
+    """``e``, the onnxruntime plan's EngineError for a graph onnxruntime did not load, as an instance of the
+    class onnxruntime raised too (its InvalidArgument for a bad session config entry, a ValueError...),
+    so that ``except`` clauses written for onnxruntime catch it; the message names the caller's session
+    config entries when onnxruntime's does not. Other errors are returned as they are."""
+    from onnxtrain.engine.interface import EngineError
+
+    raised = e.__context__  # (onnxruntime's exception, which the plan's raise ... from None hides)
+    if type(e) is not EngineError or raised is None:
+        return e
+    module = type(raised).__module__
+    name = type(raised).__name__
+    if not (module.startswith("onnxruntime") or module == "builtins" and name == "ValueError"):
+        return e
+    if not _LOAD_FAILURES:
+        _LOAD_FAILURES.update(_load_failure_classes())
+    cls = _LOAD_FAILURES.get(name, EngineError)
+    message = str(e)
+    from onnxtrain.session_loading import config_entries
+
+    given = {k: v for k, v in config_entries(options).items() if not k.startswith("onnxtrain.")}
+    if given and not any(k in message for k in given):
+        message += " (the session config entries given to onnxruntime: " + \
+            ", ".join(f"{k} = {v!r}" for k, v in given.items()) + ")"
+    out = cls(message)
+    out.__traceback__ = e.__traceback__
+    return out
 
 
 _warned_float16: list[bool] = []
