@@ -64,6 +64,7 @@ from onnxtrain.session_loading import (
     optimized_model_path,
     options_from_model,
     options_snapshot,
+    refuse_bad_ort_entries,
     refuse_disabled_cpu_fallback,
     supplied_arrays,
     warn_config_not_applied,
@@ -370,6 +371,7 @@ class InferenceSession:
         # the model's ort_config says: it applies none of them either, and there is nothing to warn of)
         if self._backend == "numpy" and not model_config_asked():
             warn_config_not_applied(self._sess_options)
+            refuse_bad_ort_entries(self._sess_options)  # (those onnxruntime refuses, with its classes)
         # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
         # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing
         self._enable_fallback = int(kwargs.get("enable_fallback", 1)) == 1
@@ -387,7 +389,7 @@ class InferenceSession:
             asked = ["CPUExecutionProvider"]  # (the retry asks for the CPU provider itself)
             self._providers, self._provider_options = backend_providers(self._backend, asked)
             self._enable_fallback = False  # (once, as onnxruntime)
-        if self._backend == "numpy":
+        if self._backend == "numpy" and not model_config_asked():  # (dropped by onnxruntime then, as above)
             refuse_disabled_cpu_fallback(self._sess_options, asked)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ import onnx
 
 from onnxtrain.capi.options import ExecutionMode, GraphOptimizationLevel, SessionOptions
 from onnxtrain.engine.interface import load_model
-from onnxtrain.errors import Fail, FailValueError, InvalidArgument
+from onnxtrain.errors import Fail, FailValueError, InvalidArgument, RuntimeException
 from onnxtrain.user_warning import warn
 
 
@@ -50,6 +51,51 @@ def refuse_disabled_cpu_fallback(options: Any, providers: Any) -> None:
     raise Fail(f"session config entry {_NO_CPU_FALLBACK} = '1' disables running nodes on the CPU, where the "
                "numpy engine runs every node (use the onnxruntime backend, config entry onnxtrain.backend, "
                "for another execution provider)")
+
+
+_POLICIES = ("", "auto", "latency", "memory", "safe")
+_STOI = re.compile(r"\s*[+-]?\d+")  # what C++'s std::stoi reads at the start of a string
+
+
+def _stoi_fails(text: str) -> bool:
+    """Whether std::stoi refuses ``text`` (no number at its start, or one past int32)."""
+    m = _STOI.match(text)
+    return m is None or not -2**31 <= int(m.group()) < 2**31
+
+
+def refuse_bad_ort_entries(options: Any) -> None:
+    """Refuse the values of onnxruntime's session config entries that onnxruntime 1.32 refuses when it makes
+    a session, with the class it raises, for a session of the numpy engine (which reads none of them): so
+    that an ``except`` clause written for onnxruntime catches it on either engine. InvalidArgument for
+    ``optimization.minimal_build_optimizations`` other than "" or "apply" ("save" only with
+    ``session.save_model_format`` "ORT"), ``session.kernel_dispatch_policy`` other than "", "auto",
+    "latency", "memory", "safe", ``session.function_expansion_byte_limit`` / ``_node_limit`` other than a
+    positive whole number in digits; RuntimeException for a ``session.graph_optimizations_loop_level`` and a
+    ValueError (a Fail) for a ``session.dynamic_block_base`` that C++'s ``stoi`` does not read."""
+    value = config_entry(options, "optimization.minimal_build_optimizations")
+    saves_ort = config_entry(options, _SAVE_FORMAT) == "ORT"
+    if value not in (None, "", "apply") and not (value == "save" and saves_ort):
+        why = ("is only valid when saving an ORT format model" if value == "save"
+               else "is not one of '', 'apply', 'save'")
+        raise InvalidArgument(f"session config entry optimization.minimal_build_optimizations: {value!r} "
+                              f"{why}")
+    value = config_entry(options, "session.kernel_dispatch_policy")
+    if value is not None and value not in _POLICIES:
+        raise InvalidArgument(f"session config entry session.kernel_dispatch_policy must be empty or one of "
+                              f"'auto', 'latency', 'memory', or 'safe' (case-sensitive), got {value!r}")
+    for key in ("session.function_expansion_byte_limit", "session.function_expansion_node_limit"):
+        value = config_entry(options, key)
+        if value is not None and not (value.isascii() and value.isdigit() and 0 < int(value) < 2**64):
+            raise InvalidArgument(f"session config entry {key} must be a positive whole number, got "
+                                  f"{value!r}")
+    value = config_entry(options, "session.graph_optimizations_loop_level")
+    if value is not None and _stoi_fails(value):
+        raise RuntimeException(f"session config entry session.graph_optimizations_loop_level must be a whole "
+                               f"number, got {value!r}")
+    value = config_entry(options, "session.dynamic_block_base")
+    if value is not None and _stoi_fails(value):
+        raise FailValueError(f"session config entry session.dynamic_block_base must be a whole number, got "
+                             f"{value!r}")
 
 
 # the session config entries that put the optimized model's initializers in a data file, as onnxruntime's do

@@ -6,7 +6,12 @@ session.kernel_dispatch_policy, session.function_expansion_byte_limit), RuntimeE
 (session.graph_optimizations_loop_level), a plain ValueError (session.dynamic_block_base), Fail
 (session.qdq_matmulnbits_accuracy_level). The backend raised its EngineError (a Fail) for all of them, so a
 clause catching onnxruntime's InvalidArgument (as onnxtrain's capi mirror names it) missed it. Now the error
-is an EngineError and the mirror of onnxruntime's class, and names the entry."""
+is an EngineError and the mirror of onnxruntime's class, and names the entry.
+
+The numpy engine, which reads none of these entries, took them all without a word; it now refuses the same
+values with the same classes (but session.qdq_matmulnbits_accuracy_level, whose parse rules it does not
+copy), and takes the values onnxruntime takes. With ORT_LOAD_CONFIG_FROM_MODEL=1 onnxruntime drops the
+caller's entries and refuses none of them (nor session.disable_cpu_ep_fallback = "1"): neither engine does."""
 
 from __future__ import annotations
 
@@ -56,6 +61,60 @@ def test_the_onnxruntime_backend_raises_onnxruntimes_class(key: str, value: str,
     assert isinstance(got.value, EngineError)  # (as before: code catching onnxtrain's class still does)
     assert key in str(got.value)
     capsys.readouterr()  # (onnxruntime's EP Error banners)
+
+
+NUMPY_ENTRIES = [e for e in ENTRIES if e[0] != "session.qdq_matmulnbits_accuracy_level"] + [
+    ("session.function_expansion_node_limit", "0"), ("session.kernel_dispatch_policy", "Auto"),
+    ("optimization.minimal_build_optimizations", "save"), ("session.graph_optimizations_loop_level", ""),
+    ("session.dynamic_block_base", "99999999999")]
+
+
+def _oracle_class(key: str, value: str) -> type | None:
+    """onnxtrain's mirror of the class onnxruntime raises making a session with the entry (None: it takes
+    it)."""
+    so = ort.SessionOptions()
+    so.add_session_config_entry(key, value)
+    try:
+        ort.InferenceSession(_model(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - the oracle's class is the answer
+        return ValueError if isinstance(e, (ValueError, IndexError)) else _mirror(type(e))
+    return None
+
+
+@pytest.mark.parametrize(("key", "value"), NUMPY_ENTRIES, ids=[f"{k}={v}" for k, v in NUMPY_ENTRIES])
+def test_the_numpy_engine_refuses_them_with_onnxruntimes_class(key: str, value: str, capsys) -> None:
+    want = _oracle_class(key, value)
+    assert want is not None
+    ours = onnxtrain.SessionOptions()
+    ours.add_session_config_entry(key, value)
+    with pytest.raises(want, match=key.replace(".", r"\.")):
+        onnxtrain.InferenceSession(_model(), ours)
+    capsys.readouterr()
+
+
+TAKEN = [("optimization.minimal_build_optimizations", "apply"), ("session.kernel_dispatch_policy", "auto"),
+         ("session.function_expansion_byte_limit", "12"), ("session.graph_optimizations_loop_level", "3x"),
+         ("session.graph_optimizations_loop_level", " -1"), ("session.dynamic_block_base", "0")]
+
+
+@pytest.mark.parametrize(("key", "value"), TAKEN, ids=[f"{k}={v}" for k, v in TAKEN])
+def test_values_onnxruntime_takes_are_taken(key: str, value: str) -> None:
+    assert _oracle_class(key, value) is None
+    ours = onnxtrain.SessionOptions()
+    ours.add_session_config_entry(key, value)
+    a = np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(onnxtrain.InferenceSession(_model(), ours).run(None, {"a": a, "b": a})[0],
+                                  a * a)
+
+
+@pytest.mark.parametrize(("key", "value"), [*ENTRIES[:2], ("session.disable_cpu_ep_fallback", "1")],
+                         ids=["minimal_build", "dispatch", "no_cpu_fallback"])
+def test_none_refused_when_the_model_config_is_loaded(key: str, value: str, monkeypatch) -> None:
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
+    assert _oracle_class(key, value) is None
+    ours = onnxtrain.SessionOptions()
+    ours.add_session_config_entry(key, value)
+    onnxtrain.InferenceSession(_model(), ours, providers=["CPUExecutionProvider"])
 
 
 def test_a_good_entry_still_loads() -> None:
