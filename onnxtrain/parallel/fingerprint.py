@@ -68,7 +68,10 @@ def check_same_on_all_ranks(comm: Communicator, fingerprint: Mapping[str, Any], 
     """
     if comm.size == 1:
         return
-    everyone = comm.allgather_object(dict(fingerprint), f"start-up check of the {what} on all ranks")
+    # a legacy session's check (its fingerprint holds TrainingParameters): what a timeout may mean
+    hint = (" (every rank must build this session: a rank given TrainingParameters.world_size = 1 trains "
+            "alone and never comes)") if "training parameters" in fingerprint else ""
+    everyone = comm.allgather_object(dict(fingerprint), f"start-up check of the {what} on all ranks{hint}")
     ref = everyone[0]
     problems = []
     for r, fp in enumerate(everyone[1:], start=1):

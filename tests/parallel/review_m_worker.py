@@ -9,7 +9,8 @@
   allreduce and ZeRO, 3 micro-steps a rank; and ``allreduce_gradients`` of half arrays (sum, average);
 * ``skip`` (power-of-two sizes): float16 mixed precision with Adasum, ZeRO and allreduce through a schedule
   where rank 1's gradients overflow on step 2 and every rank's on step 3, against a session of the same
-  mode that ran steps 1 and 4 only; the flags each step returned.
+  mode that ran steps 1 and 4 only; the flags each step returned (with 2 micro-steps a step too under
+  ``ONNXTRAIN_FULL_TESTS=1``).
 """
 
 from __future__ import annotations
@@ -151,32 +152,38 @@ def half_cases(rank: int, size: int) -> dict:
 
 
 def skip_cases(rank: int, size: int) -> dict:
-    """Mixed precision: step 2 overflows on rank 1, step 3 on every rank."""
+    """Mixed precision: step 2 overflows on rank 1, step 3 on every rank (with 2 micro-steps a step: rank 1's
+    second micro-step of step 2, every rank's first of step 3)."""
     from onnxtrain import TrainingSession
 
     out = {}
-    batches = micro_batches(1)  # 3 steps' batches; the 4th step reuses the first
-    schedule = [(batches[0], set()), (batches[1], {1}), (batches[2], set(range(size))), (batches[0], set())]
     for mode in ("adasum", "zero", "allreduce"):
         if mode == "adasum" and size & (size - 1):
             continue
-        got = {}
-        for label, steps in (("skipped", schedule), ("control", [schedule[0], schedule[3]])):
-            s = TrainingSession(model().SerializeToString(),
-                                params(mode, "AdamOptimizer", 1, use_mixed_precision=True))
-            flags = []
-            fetch = ["loss", "all_gradients_finite"]
-            if mode == "adasum":
-                fetch.append("adasum_all_deltas_finite")
-            for (x, y), overflow in steps:
-                xr = part(x, rank, size) * np.float32(1e5 if rank in overflow else 1.0)
-                res = s.run(fetch, {"x": xr, "y": part(y, rank, size),
-                                    "Learning_Rate": np.array([LR], np.float32),
-                                    s.loss_scale_input_name: np.array([1024.0], np.float32)})
-                flags.append([bool(np.asarray(v).all()) for v in res[1:]])
-            state = s.gather_state() if mode == "zero" else s.get_state()
-            got[label] = ({k: np.asarray(v) for k, v in state.items()}, flags)
-        out[mode] = got
+        for acc in (1, 2) if os.environ.get("ONNXTRAIN_FULL_TESTS") == "1" else (1,):
+            batches = micro_batches(acc)  # 3 steps' batches; the 4th step reuses the first
+            steps = [batches[k * acc:(k + 1) * acc] for k in range(STEPS)] + [batches[:acc]]
+            over = [[set()] * acc, [set()] * (acc - 1) + [{1}], [set(range(size))] + [set()] * (acc - 1),
+                    [set()] * acc]
+            got = {}
+            for label, chosen in (("skipped", [0, 1, 2, 3]), ("control", [0, 3])):
+                s = TrainingSession(model().SerializeToString(),
+                                    params(mode, "AdamOptimizer", acc, use_mixed_precision=True))
+                fetch = ["loss", "all_gradients_finite"]
+                if mode == "adasum":
+                    fetch.append("adasum_all_deltas_finite")
+                flags = []
+                for k in chosen:
+                    for (x, y), overflow in zip(steps[k], over[k]):
+                        xr = part(x, rank, size) * np.float32(1e5 if rank in overflow else 1.0)
+                        feeds = {"x": xr, "y": part(y, rank, size),
+                                 "Learning_Rate": np.array([LR], np.float32),
+                                 s.loss_scale_input_name: np.array([1024.0], np.float32)}
+                        res = s.run(fetch if (x is steps[k][-1][0]) else ["loss"], feeds)
+                    flags.append([bool(np.asarray(v).all()) for v in res[1:]])
+                state = s.gather_state() if mode == "zero" else s.get_state()
+                got[label] = ({k: np.asarray(v) for k, v in state.items()}, flags)
+            out[f"{mode}{acc}"] = got
     return out
 
 

@@ -177,7 +177,8 @@ def test_half_gradients_are_averaged_rounding_once(ranks, tname: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["adasum", "zero", "allreduce"])
-def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: str) -> None:
+@pytest.mark.parametrize("acc", [1, extended(2, id="2")])
+def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: str, acc: int) -> None:
     """Steps 2 (rank 1 overflows) and 3 (every rank) are skipped on every rank: all_gradients_finite (and
     Adasum's adasum_all_deltas_finite) false on both; weights, moments and counts bit-identical to the
     session that ran steps 1 and 4 only, and across ranks (under Adasum the weights: each rank keeps its own
@@ -185,8 +186,8 @@ def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: st
     if "skip" not in ranks[0]:
         pytest.skip("Adasum needs a power-of-two number of ranks")
     for r, got in enumerate(ranks):
-        state, flags = got["skip"][mode]["skipped"]
-        control, cflags = got["skip"][mode]["control"]
+        state, flags = got["skip"][f"{mode}{acc}"]["skipped"]
+        control, cflags = got["skip"][f"{mode}{acc}"]["control"]
         width = len(flags[0])
         assert flags == [[True] * width, [False] * width, [False] * width, [True] * width], (mode, r, flags)
         assert cflags == [[True] * width] * 2, (mode, r, cflags)
@@ -194,5 +195,5 @@ def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: st
         for k in state:
             np.testing.assert_array_equal(state[k], control[k], err_msg=f"{mode} {k} rank {r}")
             if mode != "adasum" or k in WEIGHTS:  # (Adasum's ranks keep optimizer states of their own)
-                np.testing.assert_array_equal(state[k], ranks[0]["skip"][mode]["skipped"][0][k],
+                np.testing.assert_array_equal(state[k], ranks[0]["skip"][f"{mode}{acc}"]["skipped"][0][k],
                                               err_msg=f"{mode} {k}: rank {r} differs from rank 0")
