@@ -4,8 +4,9 @@ onnxruntime (its ``ConfigureSessionForTraining`` gave it to the optimizer config
 the caller without ``use_mixed_precision`` it asks for a half-precision exchange that cannot happen (the
 gradients are the weights' own type) and should say so as the other idle options do (``mixed_precision_dtype``
 without mixed precision warns); it is silently taken. Left at its default it must stay silent, and so must an
-assigned False (what onnxtrain does anyway: tests/session/test_parameters.py holds it to no warning). The fix belongs to ``TrainingParameters.idle_options`` (onnxtrain/parameters.py,
-not this reviewer's file): hence the strict xfail."""
+assigned False (what onnxtrain does anyway: tests/session/test_parameters.py holds it to no warning).
+The fix belongs to ``TrainingParameters.idle_options`` (onnxtrain/parameters.py, not this reviewer's file):
+hence the strict xfail."""
 
 from __future__ import annotations
 
