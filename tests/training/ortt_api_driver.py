@@ -1,0 +1,345 @@
+"""The call sequences of tests/training/test_ortt_api_calls.py, as source both processes run.
+
+``DRIVER`` is executed in this process over onnxtrain's API and in onnxruntime-training 1.19.2's venv over
+its own (``tests/ortt.py``); ``A`` is a namespace with ``artifacts``, ``onnxblock``, ``CheckpointState``,
+``Module``, ``Optimizer``, ``scheduler(o, warmup, total, lr)`` (in the documented argument order),
+``buffer(array)`` (what ``copy_buffer_to_parameters`` takes) and ``ortvalue(array)``. Every call is made
+through ``probe``, which records its value (arrays as lists with dtype and shape) or its exception (class,
+the built-in exception classes it derives from, message), so that the two records can be compared key by
+key.
+"""
+
+DRIVER = r'''
+import os
+import sys
+
+import numpy as np
+
+
+def encode(v):
+    """A JSON form of a returned value."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, (int, np.integer)) and not isinstance(v, np.bool_):
+        return {"int": int(v), "type": type(v).__name__}
+    if isinstance(v, (float, np.floating)):
+        return {"float": float(v), "type": type(v).__name__}
+    if isinstance(v, (list, tuple)):
+        return {"seq": [encode(x) for x in v], "type": type(v).__name__}
+    if not isinstance(v, np.ndarray) and hasattr(v, "numpy") and callable(v.numpy):
+        return {"ortvalue": encode(np.asarray(v.numpy()))}
+    if isinstance(v, np.ndarray):
+        return {"array": v.astype(np.float64).ravel().tolist() if v.dtype.kind in "fiub" else
+                v.ravel().tolist(), "dtype": str(v.dtype), "shape": list(v.shape)}
+    return {"object": type(v).__name__}
+
+
+_BUILTIN = ("ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "AttributeError",
+            "FileNotFoundError", "IsADirectoryError", "OSError", "NotImplementedError", "LookupError")
+
+
+# calls that crash onnxruntime-training 1.19.2 (SIGSEGV), made on onnxtrain's side only; the test checks that
+# onnxtrain refuses them
+CRASHES = {"onnxruntime-training": ("noeval_call",)}
+IMPL = "onnxtrain"  # set by the script that runs the driver
+
+
+def probe(rec, key, fn):
+    """Record fn()'s value or exception under key; the value (None after an exception)."""
+    assert key not in rec, key
+    if os.environ.get("ONNXTRAIN_DRIVER_TRACE"):  # which call crashed the process
+        print("probe", key, file=sys.stderr, flush=True)
+    if key in CRASHES.get(IMPL, ()):  # the call kills that implementation's process
+        rec[key] = {"crash": True}
+        return None
+    try:
+        v = fn()
+    except Exception as e:  # recorded, compared by the test
+        rec[key] = {"err": type(e).__name__, "bases": sorted({c.__name__ for c in type(e).__mro__
+                                                              if c.__name__ in _BUILTIN}),
+                    "msg": str(e)[:400]}
+        return None
+    rec[key] = {"ok": encode(v)}
+    return v
+
+
+def paths(folder):
+    return {k: os.path.join(folder, k + ".onnx") for k in ("training_model", "eval_model", "optimizer_model")}
+
+
+def make_optimizer(A, spec):
+    kind = spec[0]
+    if kind == "adamw":
+        return A.artifacts.OptimType.AdamW
+    if kind == "sgd":
+        return A.artifacts.OptimType.SGD
+    if kind == "adamw_block":
+        return A.onnxblock.optim.AdamW(**spec[1])
+    return A.onnxblock.optim.SGD()
+
+
+def make_loss(A, name):
+    return {"ce": A.artifacts.LossType.CrossEntropyLoss, "mse": A.artifacts.LossType.MSELoss,
+            "l1": A.artifacts.LossType.L1Loss, "bce": A.artifacts.LossType.BCEWithLogitsLoss}[name]
+
+
+def generate(A, c, base, folder):
+    """The case's artifacts, by A's generate_artifacts."""
+    import onnx
+    A.artifacts.generate_artifacts(onnx.load(base), requires_grad=c["requires_grad"],
+                                   frozen_params=c["frozen"] or None, loss=make_loss(A, c["loss"]),
+                                   optimizer=make_optimizer(A, c["optimizer"]), artifact_directory=folder)
+
+
+def feeds(data, i):
+    return [data[f"x{i}"], data[f"y{i}"]]
+
+
+def params_of(state):
+    return [(n, p.requires_grad, np.array(p.data)) for n, p in state.parameters]
+
+
+def grads_of(state):
+    return [(n, None if p.grad is None else np.array(p.grad)) for n, p in state.parameters]
+
+
+def scenario(A, c, folder, data, out):
+    """The Module / Optimizer / CheckpointState call sequence on the artifacts in folder; the record."""
+    rec = {}
+    P = lambda key, fn: probe(rec, key, fn)  # noqa: E731
+    f = paths(folder)
+    state = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    P("state_params", lambda: params_of(state))
+    P("state_len", lambda: len(state.parameters))
+    P("state_contains", lambda: [c["requires_grad"][0] in state.parameters, "nope" in state.parameters])
+    P("state_props", lambda: list(state.properties))
+    P("grad_before_module", lambda: grads_of(state))
+    m = A.Module(f["training_model"], state, f["eval_model"])
+    P("grad_after_module", lambda: grads_of(state))
+    P("training", lambda: m.training)
+    P("train_inputs", m.input_names)
+    P("train_outputs", m.output_names)
+    P("eval_is_self", lambda: m.eval() is m)
+    P("eval_training", lambda: m.training)
+    P("eval_inputs", m.input_names)
+    P("eval_outputs", m.output_names)
+    P("train_is_self", lambda: m.train() is m)
+    P("train_false", lambda: [m.train(False).training, m.input_names()])
+    P("train_true", lambda: [m.train(True).training, m.input_names()])
+    o = A.Optimizer(f["optimizer_model"], m)
+    P("lr_default", o.get_learning_rate)
+    P("step_before_train", o.step)
+    P("params_after_step0", lambda: params_of(state))
+    P("set_lr", lambda: o.set_learning_rate(0.05))
+    P("get_lr", o.get_learning_rate)
+    f0 = feeds(data, 0)
+    P("call_positional", lambda: m(*f0))
+    P("grads_1", lambda: grads_of(state))
+    P("call_one_list", lambda: m(list(f0)))
+    P("call_one_tuple", lambda: m(tuple(f0)))
+    P("call_one_dict", lambda: m(dict(zip(m.input_names(), f0))))
+    P("call_ortvalues", lambda: m(*[A.ortvalue(a) for a in f0]))
+    P("call_mixed", lambda: m(A.ortvalue(f0[0]), f0[1]))
+    P("call_too_few", lambda: m(f0[0]))
+    P("call_too_many", lambda: m(*f0, f0[1]))
+    P("call_wrong_dtype", lambda: m(f0[0].astype(np.float64) if f0[0].dtype == np.float32 else
+                                    f0[0].astype(np.int32), f0[1]))
+    P("grads_accumulated", lambda: grads_of(state))
+    # (onnxruntime-training takes lists for OrtValues and fails; onnxtrain runs them: in eval mode, which
+    # changes no state, not even BatchNorm running statistics)
+    P("call_nested_lists", lambda: m.eval()(*[a.tolist() for a in f0]))
+    P("call_nested_as_arrays", lambda: m.eval()(*f0))
+    m.train()
+    P("reset", m.lazy_reset_grad)
+    for i in (1, 2, 3):
+        P(f"acc_call{i}", lambda: m(*feeds(data, i)))
+    P("grads_acc3", lambda: grads_of(state))
+    P("reset_twice", lambda: [m.lazy_reset_grad(), m.lazy_reset_grad()])
+    P("grads_after_reset", lambda: grads_of(state))
+    P("step1", o.step)
+    P("params_1", lambda: params_of(state))
+    P("step2", o.step)
+    P("params_2", lambda: params_of(state))
+    m.eval()
+    P("eval_call", lambda: m(*f0))
+    P("eval_call_x_only", lambda: m(f0[0]))
+    P("grads_after_eval", lambda: grads_of(state))
+    P("params_after_eval", lambda: params_of(state))
+    m.train()
+    P("call_after_eval", lambda: m(*feeds(data, 1)))
+    P("grads_after_eval_call", lambda: grads_of(state))
+    for t in (True, False):
+        P(f"contig_{t}", lambda: m.get_contiguous_parameters(t))
+        P(f"size_{t}", lambda: m.get_parameters_size(t))
+    P("contig_default", lambda: m.get_contiguous_parameters())
+    P("size_default", lambda: m.get_parameters_size())
+    buf = np.asarray(m.get_contiguous_parameters(True).numpy()).copy()
+    P("copy_true", lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(buf * 0.5)), True))
+    P("params_copy_true", lambda: params_of(state))
+    full = np.asarray(m.get_contiguous_parameters(False).numpy()).copy()
+    P("copy_false", lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(full * 2)), False))
+    P("params_copy_false", lambda: params_of(state))
+    P("copy_default", lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(buf))))
+    P("params_copy_default", lambda: params_of(state))
+    P("copy_full_as_trainable",
+      lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(full)), True))
+    P("copy_short", lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(buf[:3])), True))
+    P("copy_float64", lambda: m.copy_buffer_to_parameters(A.buffer(buf.astype(np.float64)), True))
+    P("params_after_bad_copies", lambda: params_of(state))
+    P("call_after_copies", lambda: m(*f0))
+    ex = c["exports"]
+    P("export_one", lambda: m.export_model_for_inferencing(os.path.join(out, "inference1.onnx"), ex[:1]))
+    P("export_two", lambda: m.export_model_for_inferencing(os.path.join(out, "inference2.onnx"), ex))
+    P("export_reversed", lambda: m.export_model_for_inferencing(os.path.join(out, "inference3.onnx"),
+                                                               ex[::-1]))
+    P("export_wrong", lambda: m.export_model_for_inferencing(os.path.join(out, "wrong.onnx"),
+                                                            [ex[0], "no_such_output"]))
+    P("export_wrong_file", lambda: os.path.exists(os.path.join(out, "wrong.onnx")))
+    P("export_empty", lambda: m.export_model_for_inferencing(os.path.join(out, "empty.onnx"), []))
+    P("export_missing_folder", lambda: m.export_model_for_inferencing(
+        os.path.join(out, "no_folder", "x.onnx"), ex[:1]))
+    P("training_after_export", lambda: [m.training, m.input_names()])
+
+    # properties through the mapping interface
+    props = state.properties
+    P("prop_set_int", lambda: props.__setitem__("i", 3))
+    P("prop_set_float", lambda: props.__setitem__("f", 0.1))
+    P("prop_set_str", lambda: props.__setitem__("s", "abc"))
+    P("prop_set_neg", lambda: props.__setitem__("n", -(2 ** 40)))
+    P("prop_get", lambda: [props["i"], props["f"], props["s"], props["n"]])
+    P("prop_overwrite", lambda: [props.__setitem__("i", "now a str"), props["i"]])
+    P("prop_overwrite_float", lambda: [props.__setitem__("s", 2.5), props["s"]])
+    P("prop_len", lambda: len(props))
+    P("prop_contains", lambda: ["i" in props, "zz" in props])
+    P("prop_iter", lambda: list(props))
+    P("prop_missing", lambda: props["zz"])
+    P("prop_delete", lambda: props.__delitem__("i"))
+    P("prop_bad_list", lambda: props.__setitem__("bad", [1, 2]))
+    P("prop_bad_none", lambda: props.__setitem__("bad", None))
+    P("prop_bad_dict", lambda: props.__setitem__("bad", {"a": 1}))
+    P("prop_bool", lambda: [props.__setitem__("b", True), props["b"]])
+    P("prop_np_int", lambda: [props.__setitem__("ni", np.int64(7)), props["ni"]])
+    P("prop_np_float", lambda: [props.__setitem__("nf", np.float32(0.25)), props["nf"]])
+    P("prop_empty_str", lambda: [props.__setitem__("es", ""), props["es"]])
+    P("prop_int_name", lambda: props.__setitem__(5, 1))
+    P("prop_after", lambda: list(props))
+
+    # the parameters view
+    name0 = c["requires_grad"][0]
+    P("param_missing", lambda: state.parameters["nope"])
+    P("param_set_missing", lambda: state.parameters.__setitem__("nope", np.zeros(2, np.float32)))
+    P("param_view", lambda: [state.parameters[name0].name, state.parameters[name0].requires_grad,
+                             repr(state.parameters[name0])])
+    shape0 = state.parameters[name0].data.shape
+    P("param_set_data", lambda: setattr(state.parameters[name0], "data", np.full(shape0, 0.25, np.float32)))
+    P("param_after_set", lambda: state.parameters[name0].data)
+    P("param_set_item", lambda: state.parameters.__setitem__(name0, np.full(shape0, 0.5, np.float32)))
+    P("param_after_set_item", lambda: state.parameters[name0].data)
+    P("param_set_shape", lambda: setattr(state.parameters[name0], "data", np.zeros((7,), np.float32)))
+    P("param_set_dtype", lambda: setattr(state.parameters[name0], "data", np.zeros(shape0, np.float64)))
+    P("param_after_bad", lambda: state.parameters[name0].data)
+    for fz in c["frozen"]:
+        P(f"frozen_{fz}", lambda: [state.parameters[fz].requires_grad, state.parameters[fz].grad])
+    P("call_after_set", lambda: m(*f0))
+
+    # saved while training, loaded into a fresh Module (and Optimizer)
+    P("step3", o.step)
+    P("save_opt", lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "ckpt_opt"), True))
+    P("save_plain", lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "ckpt_plain")))
+    P("save_folder_missing", lambda: A.CheckpointState.save_checkpoint(
+        state, os.path.join(out, "no_folder", "ckpt")))
+    P("continued", lambda: [m(*feeds(data, 2)), o.step(), params_of(state)])
+    for kind in ("ckpt_opt", "ckpt_plain"):
+        st = A.CheckpointState.load_checkpoint(os.path.join(out, kind))
+        P(f"{kind}_props", lambda: list(st.properties))
+        m2 = A.Module(f["training_model"], st, f["eval_model"])
+        o2 = A.Optimizer(f["optimizer_model"], m2)
+        P(f"{kind}_lr", o2.get_learning_rate)
+        o2.set_learning_rate(0.05)
+        P(f"{kind}_continued", lambda: [m2(*feeds(data, 2)), o2.step(), params_of(st)])
+    P("load_missing", lambda: A.CheckpointState.load_checkpoint(os.path.join(out, "no_such_ckpt")))
+    with open(os.path.join(out, "ckpt_plain"), "rb") as fh:
+        raw = fh.read()
+    for n, cut in (("half", len(raw) // 2), ("empty", 0), ("head", 8)):
+        with open(os.path.join(out, f"trunc_{n}"), "wb") as fh:
+            fh.write(raw[:cut])
+        P(f"load_trunc_{n}",
+          lambda: len(A.CheckpointState.load_checkpoint(os.path.join(out, f"trunc_{n}")).parameters))
+    P("load_folder", lambda: A.CheckpointState.load_checkpoint(out))
+
+    # a Module without an eval model
+    st3 = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    m3 = A.Module(f["training_model"], st3)
+    P("noeval_names", lambda: [m3.eval().input_names(), m3.output_names()])
+    P("noeval_call", lambda: m3(*f0))
+    P("noeval_export", lambda: m3.export_model_for_inferencing(os.path.join(out, "noeval.onnx"), ex[:1]))
+    P("noeval_train_call", lambda: m3.train()(*f0))
+    return rec
+
+
+def schedules(A, c, folder, data, cases):
+    """Learning rates of a LinearLRScheduler over (warmup, total) cases, each on a fresh Optimizer."""
+    rec = {}
+    P = lambda key, fn: probe(rec, key, fn)  # noqa: E731
+    f = paths(folder)
+    for warmup, total in cases:
+        key = f"sched_{warmup}_{total}"
+        state = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+        m = A.Module(f["training_model"], state)
+        o = A.Optimizer(f["optimizer_model"], m)
+        o.set_learning_rate(0.5)
+        s = probe(rec, key, lambda: A.scheduler(o, warmup, total, 0.1))
+        if s is None:
+            continue
+        lrs = [o.get_learning_rate()]
+        for i in range(total + 3):
+            m(*feeds(data, i % 4))
+            o.step()
+            m.lazy_reset_grad()
+            s.step()
+            lrs.append(o.get_learning_rate())
+            if i == 1:  # a user's rate in between: the next scheduler step overrides it
+                o.set_learning_rate(0.7)
+                lrs.append(o.get_learning_rate())
+        P(key + "_lrs", lambda: lrs)
+        P(key + "_params", lambda: params_of(state))
+    return rec
+
+
+def optimizer_steps(A, folder, data, out, steps):
+    """Parameters after each of ``steps`` train-and-step rounds at lr 0.01; saves the state."""
+    rec = {}
+    f = paths(folder)
+    state = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    m = A.Module(f["training_model"], state)
+    o = A.Optimizer(f["optimizer_model"], m)
+    o.set_learning_rate(0.01)
+    for i in range(steps):
+        probe(rec, f"loss_{i}", lambda: m(*feeds(data, i % 4)))
+        probe(rec, f"grads_{i}", lambda: grads_of(state))
+        probe(rec, f"step_{i}", o.step)
+        probe(rec, f"params_{i}", lambda: params_of(state))
+        m.lazy_reset_grad()
+    A.CheckpointState.save_checkpoint(state, os.path.join(out, "steps_ckpt"), True)
+    return rec
+
+
+def continue_from(A, c, folder, checkpoint, data):
+    """A fresh state, Module and Optimizer over the artifacts in folder from a saved checkpoint (possibly
+    the other project's): what it holds, then one training call and update at lr 0.05."""
+    rec = {}
+    P = lambda key, fn: probe(rec, key, fn)  # noqa: E731
+    f = paths(folder)
+    st = A.CheckpointState.load_checkpoint(checkpoint)
+    P("params", lambda: params_of(st))
+    P("props", lambda: [(k, v) for k, v in st.properties if not k.startswith("onnxtrain.")])
+    m = A.Module(f["training_model"], st, f["eval_model"])
+    o = A.Optimizer(f["optimizer_model"], m)
+    P("lr", o.get_learning_rate)
+    o.set_learning_rate(0.05)
+    P("eval", lambda: m.eval()(*feeds(data, 2)))
+    m.train()
+    P("continued", lambda: [m(*feeds(data, 2)), grads_of(st), o.step(), params_of(st)])
+    P("second", lambda: [m(*feeds(data, 3)), o.step(), params_of(st)])
+    return rec
+'''

@@ -1,0 +1,510 @@
+"""The on-device API, call by call, against onnxruntime-training 1.19.2.
+
+Small models (an MLP, a conv net, an MLP with a frozen weight, a linear layer with a BatchNormalization
+whose running statistics are frozen buffers, an embedding of int64 indices) get their artifacts from each
+project's ``generate_artifacts``; the same call sequence (``tests/training/ortt_api_driver.py``) runs on
+
+* onnxruntime-training's artifacts in onnxruntime-training (the oracle),
+* the same files in onnxtrain (which translates them),
+* onnxtrain's own artifacts in onnxtrain,
+
+and every recorded return value, exception class and state read must agree: values within float32
+tolerance (the optimizer sweep within 1 ulp), exceptions of a class ours is also an instance of. Where
+1.19.2 is the one at fault, the comparison says so and why (``KNOWN``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.ortt import PREAMBLE, ensure_ortt, run_script, small_mlp
+from tests.tiers import extended, full
+from tests.training.ortt_api_driver import DRIVER
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+N = 4  # batch
+
+
+def _model(nodes, inputs, outputs, inits) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "m", inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def _init(rng, name, shape, scale=1.0):
+    return numpy_helper.from_array((scale * rng.standard_normal(shape)).astype(np.float32), name)
+
+
+def conv_net() -> onnx.ModelProto:
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Conv", ["input", "conv.weight", "conv.bias"], ["c"], kernel_shape=[3, 3]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Flatten", ["r"], ["fl"], axis=1),
+             helper.make_node("MatMul", ["fl", "fc.weight"], ["mm"]),
+             helper.make_node("Add", ["mm", "fc.bias"], ["output"])]
+    inits = [_init(rng, "conv.weight", (2, 1, 3, 3)), _init(rng, "conv.bias", (2,)),
+             _init(rng, "fc.weight", (18, 3), 0.3), _init(rng, "fc.bias", (3,))]
+    return _model(nodes, [helper.make_tensor_value_info("input", F, ["b", 1, 5, 5])],
+                  [helper.make_tensor_value_info("output", F, ["b", 3])], inits)
+
+
+def bn_net() -> onnx.ModelProto:
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("MatMul", ["input", "fc.weight"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "bn.scale", "bn.bias", "bn.mean", "bn.var"],
+                              ["output"])]
+    inits = [_init(rng, "fc.weight", (3, 4)), _init(rng, "bn.scale", (4,)), _init(rng, "bn.bias", (4,)),
+             _init(rng, "bn.mean", (4,), 0.1),
+             numpy_helper.from_array(rng.uniform(0.5, 2.0, 4).astype(np.float32), "bn.var")]
+    return _model(nodes, [helper.make_tensor_value_info("input", F, ["b", 3])],
+                  [helper.make_tensor_value_info("output", F, ["b", 4])], inits)
+
+
+def embed_net() -> onnx.ModelProto:
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Gather", ["emb.weight", "input"], ["e"]),
+             helper.make_node("Flatten", ["e"], ["fl"], axis=1),
+             helper.make_node("MatMul", ["fl", "fc.weight"], ["output"])]
+    inits = [_init(rng, "emb.weight", (5, 3)), _init(rng, "fc.weight", (6, 3), 0.5)]
+    return _model(nodes, [helper.make_tensor_value_info("input", I64, ["b", 2])],
+                  [helper.make_tensor_value_info("output", F, ["b", 3])], inits)
+
+
+def elementwise_net() -> onnx.ModelProto:
+    """``output = input * W + B`` on [1, 8]: its MSE gradients are the same bits in any graph (products by
+    powers of two and one rounding each), so the optimizers' updates can be compared to the ulp."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Mul", ["input", "W"], ["p"]), helper.make_node("Add", ["p", "B"], ["output"])]
+    return _model(nodes, [helper.make_tensor_value_info("input", F, [1, 8])],
+                  [helper.make_tensor_value_info("output", F, [1, 8])],
+                  [_init(rng, "W", (8,)), _init(rng, "B", (8,))])
+
+
+CASES = {
+    "mlp": dict(model=small_mlp, loss="ce", optimizer=["adamw"], frozen=[],
+                requires_grad=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], exports=["output", "c"]),
+    "conv": dict(model=conv_net, loss="mse", optimizer=["sgd"], frozen=[],
+                 requires_grad=["conv.weight", "conv.bias", "fc.weight", "fc.bias"], exports=["output", "r"]),
+    "frozen": dict(model=small_mlp, loss="l1", optimizer=["adamw"], frozen=["fc1.weight"],
+                   requires_grad=["fc1.bias", "fc2.weight", "fc2.bias"], exports=["output", "b"]),
+    "bn": dict(model=bn_net, loss="mse", optimizer=["sgd"], frozen=["bn.mean", "bn.var"],
+               requires_grad=["fc.weight", "bn.scale", "bn.bias"], exports=["output", "h"]),
+    "embed": dict(model=embed_net, loss="ce", optimizer=["adamw"], frozen=[],
+                  requires_grad=["emb.weight", "fc.weight"], exports=["output", "fl"]),
+}
+
+
+def case_data(name: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(len(name))
+    c = CASES[name]
+    out: dict[str, np.ndarray] = {}
+    for i in range(4):
+        if name == "conv":
+            x = rng.standard_normal((N, 1, 5, 5)).astype(np.float32)
+        elif name == "embed":
+            x = rng.integers(0, 5, (N, 2)).astype(np.int64)
+        elif name == "bn":
+            x = rng.standard_normal((N, 3)).astype(np.float32)
+        else:
+            x = rng.standard_normal((N, 4)).astype(np.float32)
+        classes = 4 if name == "bn" else 3
+        if c["loss"] == "ce":
+            y = rng.integers(0, classes, N).astype(np.int64)
+        else:
+            y = rng.standard_normal((N, classes)).astype(np.float32)
+        out[f"x{i}"], out[f"y{i}"] = x, y
+    return out
+
+
+_ORT_SCRIPT = PREAMBLE + DRIVER + r'''
+import types
+IMPL = "onnxruntime-training"
+from onnxruntime import OrtValue
+from onnxruntime.training import artifacts, onnxblock
+from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+
+A = types.SimpleNamespace(
+    artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
+    Optimizer=Optimizer,
+    # its Python wrapper hands (warmup, total) to a binding that takes (total, warmup): swapped back here
+    scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr),
+    buffer=lambda a: OrtValue.ortvalue_from_numpy(a)._ortvalue,
+    ortvalue=OrtValue.ortvalue_from_numpy)
+with open(sys.argv[1]) as f:
+    jobs = json.load(f)
+done = {}
+for job in jobs:
+    data = dict(np.load(job["data"]))
+    try:
+        if job.get("generate"):
+            generate(A, job["case"], job["base"], job["folder"])
+        if job["kind"] == "scenario":
+            rec = scenario(A, job["case"], job["folder"], data, job["out"])
+        elif job["kind"] == "schedules":
+            rec = schedules(A, job["case"], job["folder"], data, [tuple(t) for t in job["cases"]])
+        elif job["kind"] == "continue":
+            rec = continue_from(A, job["case"], job["folder"], job["checkpoint"], data)
+        else:
+            rec = optimizer_steps(A, job["folder"], data, job["out"], job["steps"])
+        os.makedirs(job["out"], exist_ok=True)
+        with open(os.path.join(job["out"], "record.json"), "w") as fh:
+            json.dump(rec, fh)
+        done[job["out"]] = None
+    except Exception as e:  # reported per job
+        import traceback
+        done[job["out"]] = f"{type(e).__name__}: {e} {traceback.format_exc()[-1500:]}"
+print(json.dumps(done))
+'''
+
+_NS: dict = {}
+exec(compile(DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same driver source onnxruntime-training runs
+
+
+def onnxtrain_api() -> types.SimpleNamespace:
+    from onnxtrain import OrtValue
+    from onnxtrain.training import artifacts, onnxblock
+    from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+
+    return types.SimpleNamespace(
+        artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
+        Optimizer=Optimizer, scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr),
+        buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy)
+
+
+def lowered(folder: str) -> None:
+    """Stamp the folder's models IR 10 (onnxruntime 1.19 reads IR <= 10)."""
+    for f in os.listdir(folder):
+        if f.endswith(".onnx"):
+            model = onnx.load(os.path.join(folder, f))
+            model.ir_version = min(model.ir_version, 10)
+            onnx.save(model, os.path.join(folder, f))
+
+
+def serialize(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k != "model"}
+
+
+# ---------------------------------------------------------------- the runs
+SCHEDULES = [(0, 5), (5, 5), (2, 5), (0, 0), (3, 2), (1, 1), (4, 0)]  # (warmup, total)
+OPTIMIZERS = {"adamw": ["adamw"], "no_bias_correction": ["adamw_block", {"bias_correction": False}],
+              "betas_eps_decay": ["adamw_block", {"betas": [0.8, 0.95], "eps": 1e-4, "weight_decay": 0.1}],
+              "decay": ["adamw_block", {"weight_decay": 0.01, "eps": 1e-8}], "sgd": ["sgd"],
+              "sgd_block": ["sgd_block"]}
+STEPS = 20
+SIDES = ("theirs", "ours")  # onnxtrain on onnxruntime-training's artifacts, on its own
+# the default suite's cases (a few seconds): the MLP (AdamW, cross-entropy) and the BatchNorm net (SGD, frozen
+# running statistics); AdamW and SGD as generated by default. The rest in the full suite (tests/tiers.py).
+DEFAULT_CASES, DEFAULT_OPTIMIZERS = ("mlp", "bn"), ("adamw", "sgd")
+
+
+def _tiered(names, default) -> list:
+    return [n if n in default else extended(n, id=n) for n in names]
+
+
+def _elementwise_data() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(9)
+    return {f"{k}{i}": rng.standard_normal((1, 8)).astype(np.float32) for i in range(4) for k in "xy"}
+
+
+def _write(path: str, rec: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(rec, f)
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _folder(root: str, name: str, model: onnx.ModelProto, data: dict[str, np.ndarray]) -> str:
+    d = os.path.join(root, name)
+    for sub in ("theirs", "ours", "ort", "ot_theirs", "ot_ours"):
+        os.makedirs(os.path.join(d, sub))
+    onnx.save(model, os.path.join(d, "base.onnx"))
+    np.savez(os.path.join(d, "data.npz"), **data)
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> str:
+    """The folder of every run: ``<case>/{theirs,ours}`` (artifacts), ``<case>/ort`` (onnxruntime-training
+    on its artifacts), ``<case>/ot_{theirs,ours}`` (onnxtrain on each), each with its record.json; the
+    continuations from each project's checkpoint on onnxruntime-training's artifacts in
+    ``<case>/{ort,ot}_from_{ours,theirs}``. One onnxruntime-training process."""
+    python = ensure_ortt()
+    root = str(tmp_path_factory.mktemp("ortt_api_calls"))
+    A = onnxtrain_api()
+    todo = [(n, serialize(c), "scenario", c["model"](), case_data(n)) for n, c in CASES.items()
+            if full() or n in DEFAULT_CASES]
+    todo.append(("schedules", serialize(CASES["mlp"]), "schedules", small_mlp(), case_data("mlp")))
+    todo += [(n, {"loss": "mse", "optimizer": opt, "frozen": [], "requires_grad": ["W", "B"]}, "steps",
+              elementwise_net(), _elementwise_data())
+             for n, opt in OPTIMIZERS.items() if full() or n in DEFAULT_OPTIMIZERS]
+    jobs = []
+    for name, case, kind, model, data in todo:  # onnxtrain's artifacts and its run on them first
+        d = _folder(root, name, model, data)
+        _NS["generate"](A, case, os.path.join(d, "base.onnx"), os.path.join(d, "ours"))
+        _write(os.path.join(d, "ot_ours", "record.json"),
+               _run(A, case, kind, os.path.join(d, "ours"), data, os.path.join(d, "ot_ours")))
+        common = {"case": case, "data": os.path.join(d, "data.npz"), "folder": os.path.join(d, "theirs")}
+        jobs.append({**common, "base": os.path.join(d, "base.onnx"), "generate": True, "kind": kind,
+                     "out": os.path.join(d, "ort"), "cases": SCHEDULES, "steps": STEPS})
+        if kind == "scenario":  # both checkpoints saved mid-training, continued on 1.19.2's artifacts
+            for who, ckpt in (("ours", os.path.join(d, "ot_ours", "ckpt_opt")),
+                              ("theirs", os.path.join(d, "ort", "ckpt_opt"))):
+                jobs.append({**common, "kind": "continue", "checkpoint": ckpt,
+                             "out": os.path.join(d, f"ort_from_{who}")})
+    _write(os.path.join(root, "jobs.json"), jobs)
+    errors = run_script(_ORT_SCRIPT, os.path.join(root, "jobs.json"), python=python)
+    assert not any(errors.values()), errors
+    for name, case, kind, _, data in todo:  # then onnxtrain on onnxruntime-training's artifacts
+        d = os.path.join(root, name)
+        _write(os.path.join(d, "ot_theirs", "record.json"),
+               _run(A, case, kind, os.path.join(d, "theirs"), data, os.path.join(d, "ot_theirs")))
+        if kind == "scenario":
+            for who, ckpt in (("ours", os.path.join(d, "ot_ours", "ckpt_opt")),
+                              ("theirs", os.path.join(d, "ort", "ckpt_opt"))):
+                os.makedirs(os.path.join(d, f"ot_from_{who}"))
+                _write(os.path.join(d, f"ot_from_{who}", "record.json"),
+                       _NS["continue_from"](A, case, os.path.join(d, "theirs"), ckpt, data))
+    return root
+
+
+def _run(A, case: dict, kind: str, folder: str, data: dict, out: str) -> dict:
+    if kind == "scenario":
+        return _NS["scenario"](A, case, folder, data, out)
+    if kind == "schedules":
+        return _NS["schedules"](A, case, folder, data, SCHEDULES)
+    return _NS["optimizer_steps"](A, folder, data, out, STEPS)
+
+
+# ---------------------------------------------------------------- comparing records
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _unwrap(v):
+    """A record value with OrtValues as the arrays they hold (and generated names without their counter)."""
+    if isinstance(v, dict):
+        if "ortvalue" in v:
+            return _unwrap(v["ortvalue"])
+        return {k: _unwrap(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unwrap(x) for x in v]
+    if isinstance(v, str) and v.startswith("onnx::"):
+        return v.rsplit("::", 1)[0]  # onnxruntime-training numbers generated names process-wide
+    return v
+
+
+def assert_same(ours, theirs, what: str) -> None:
+    """Two encoded values agree: the same structure and types, arrays of one dtype and shape within float32
+    tolerance, floats as float32."""
+    if isinstance(theirs, dict) and "array" in theirs:
+        assert isinstance(ours, dict) and "array" in ours, f"{what}: {ours!r:.200} is not an array"
+        assert (ours["dtype"], ours["shape"]) == (theirs["dtype"], theirs["shape"]), what
+        if theirs["dtype"].startswith(("<U", "object")):
+            assert ours["array"] == theirs["array"], what
+        else:
+            np.testing.assert_allclose(ours["array"], theirs["array"], atol=ATOL, rtol=RTOL, err_msg=what)
+    elif isinstance(theirs, dict) and "float" in theirs:
+        assert isinstance(ours, dict) and "float" in ours, f"{what}: {ours!r} is not a float"
+        np.testing.assert_allclose(ours["float"], theirs["float"], rtol=1e-6, err_msg=what)
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and sorted(ours) == sorted(theirs), \
+            f"{what}: {ours!r:.300} vs {theirs!r:.300}"
+        for k in theirs:
+            assert_same(ours[k], theirs[k], f"{what}.{k}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), \
+            f"{what}: {ours!r:.300} vs {theirs!r:.300}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{what}[{i}]")
+    else:
+        assert ours == theirs, f"{what}: {ours!r} != {theirs!r}"
+
+
+def _without(value, name: str):
+    """A recorded property list without property ``name``."""
+    return {"ok": {"seq": [p for p in value["ok"]["seq"] if p["seq"][0] != name], "type": "list"}}
+
+
+# Where onnxruntime-training 1.19.2 is the one at fault, what onnxtrain does instead (checked below).
+KNOWN = {
+    # its Module.__call__ takes every argument that is not a numpy array for an OrtValue and fails on its
+    # private attribute (AttributeError '_ortvalue'); onnxtrain refuses one list/tuple/dict argument naming
+    # the inputs it expects, and runs nested lists (README: "with any numpy array or list among the inputs")
+    "call_one_list", "call_one_tuple", "call_one_dict", "call_nested_lists",
+    # np.float32(0.25) is stored as the int 0 there (pybind11 takes it for an int); a float here (README)
+    "prop_np_float",
+    # a checkpoint saved with its optimizer state resumes at the saved learning rate here (README: the
+    # property onnxtrain.learning_rate); onnxruntime keeps only the initial rate and restarts at 0.001
+    "ckpt_opt_lr",
+    # an eval call on a Module made without an eval model kills its process (SIGSEGV); an error here
+    "noeval_call",
+}
+# the keys whose recorded properties hold the np.float32 property above
+_PROPERTY_LISTS = ("prop_after", "ckpt_opt_props", "ckpt_plain_props")
+
+# what onnxtrain's message must name (onnxruntime-training's name a C++ source line instead)
+MESSAGES = {
+    "call_too_few": lambda c: "expects 2 input(s)", "call_too_many": lambda c: "got 3",
+    "call_wrong_dtype": lambda c: "input", "eval_call_x_only": lambda c: "eval model",
+    "copy_full_as_trainable": lambda c: "size", "copy_short": lambda c: "Actual: 3",
+    "copy_float64": lambda c: "float64", "export_wrong": lambda c: "no_such_output",
+    "export_empty": lambda c: "empty", "export_missing_folder": lambda c: "no_folder",
+    "param_set_shape": lambda c: c["requires_grad"][0], "param_set_dtype": lambda c: c["requires_grad"][0],
+    "param_missing": lambda c: "nope", "param_set_missing": lambda c: "nope",
+    "prop_missing": lambda c: "zz", "prop_bad_list": lambda c: "bad",
+    "save_folder_missing": lambda c: "no_folder",
+    "load_missing": lambda c: "no_such_ckpt", "load_trunc_half": lambda c: "trunc_half",
+    "load_trunc_empty": lambda c: "trunc_empty", "load_folder": lambda c: "directory",
+    "noeval_export": lambda c: "Eval model",
+}
+
+
+def compare_scenarios(ours: dict, theirs: dict, case: dict, what: str) -> None:
+    assert list(ours) == list(theirs), f"{what}: the recorded calls differ"
+    for key, b in theirs.items():
+        a = ours[key]
+        if key in KNOWN:
+            if key == "noeval_call":
+                assert b == {"crash": True} and "RuntimeError" in a["bases"], (what, key, a)
+            elif key == "prop_np_float":
+                assert b["ok"]["seq"][1] == {"int": 0, "type": "int"}, (what, key, b)
+                assert a["ok"]["seq"][1] == {"float": 0.25, "type": "float"}, (what, key, a)
+            elif key == "ckpt_opt_lr":
+                assert np.float32(b["ok"]["float"]) == np.float32(1e-3), (what, key, b)
+                assert np.float32(a["ok"]["float"]) == np.float32(0.05), (what, key, a)  # the rate it saved
+            elif key == "call_nested_lists":
+                assert b["err"] == "AttributeError" and "ok" in a, (what, key, a, b)
+                assert_same(a["ok"], ours["call_nested_as_arrays"]["ok"], f"{what} {key}")
+            else:
+                assert b["err"] == "AttributeError" and "ValueError" in a.get("bases", ()), (what, key, a)
+            continue
+        if key in _PROPERTY_LISTS:
+            a, b = _without(a, "nf"), _without(b, "nf")
+        if "err" in b:
+            assert "err" in a, f"{what} {key}: onnxruntime-training raises {b}, onnxtrain returns {a!r:.300}"
+            assert set(b["bases"]) <= set(a["bases"]), \
+                f"{what} {key}: onnxtrain's {a['err']} is not also a {b['bases']} ({a['msg']})"
+            if key in MESSAGES:
+                assert MESSAGES[key](case) in a["msg"], f"{what} {key}: {a['msg']!r}"
+            continue
+        assert "ok" in a, f"{what} {key}: onnxtrain raises {a}, onnxruntime-training returns {b!r:.300}"
+        assert_same(_unwrap(a["ok"]), _unwrap(b["ok"]), f"{what} {key}")
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
+def test_call_sequences_as_onnxruntime_training(runs, name, side):
+    """Every call of the Module / Optimizer / CheckpointState sequence returns what onnxruntime-training
+    1.19.2 returns on its own artifacts (or raises an error of a class ours is too), on its artifacts and on
+    onnxtrain's."""
+    d = os.path.join(runs, name)
+    compare_scenarios(_read(os.path.join(d, f"ot_{side}", "record.json")),
+                      _read(os.path.join(d, "ort", "record.json")), CASES[name], f"{name} ({side})")
+
+
+@pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
+def test_checkpoints_cross_load(runs, name):
+    """A checkpoint saved (with the optimizer state) mid-training by either project loads in the other and
+    continues as in the saver: parameters, properties, eval and training outputs, gradients, updates, on
+    1.19.2's artifacts. Only the learning rate differs: onnxtrain resumes the rate it saved (README),
+    onnxruntime-training restarts at 0.001 whoever saved."""
+    d = os.path.join(runs, name)
+    recs = {f"{who}_from_{saver}": _read(os.path.join(d, f"{who}_from_{saver}", "record.json"))
+            for who in ("ort", "ot") for saver in ("ours", "theirs")}
+    for key, rec in recs.items():
+        assert list(rec) == list(recs["ort_from_theirs"]), key
+        for call, b in recs["ort_from_theirs"].items():
+            a = rec[call]
+            assert "ok" in a and "ok" in b, (key, call, a, b)
+            if call == "props":  # (the np.float32 property: 0 in every file onnxruntime-training wrote)
+                a, b = _without(a, "nf"), _without(b, "nf")
+            if call != "lr":
+                assert_same(_unwrap(a["ok"]), _unwrap(b["ok"]), f"{name}: {key} {call}")
+    rates = {k: np.float32(r["lr"]["ok"]["float"]) for k, r in recs.items()}
+    assert rates == {"ort_from_ours": np.float32(1e-3), "ort_from_theirs": np.float32(1e-3),
+                     "ot_from_ours": np.float32(0.05), "ot_from_theirs": np.float32(1e-3)}
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_linear_lr_scheduler_rates_as_onnxruntime_training(runs, side):
+    """LinearLRScheduler's rate after construction and after each step (warm-up 0, warm-up == total,
+    warm-up > total, total 0, steps past the total, a set_learning_rate in between, an optimizer whose own
+    rate differs from initial_lr) equals the rate 1.19.2's get_learning_rate prints, as float32 bits."""
+    d = os.path.join(runs, "schedules")
+    ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}", "ort"))
+    assert list(ours) == list(theirs)
+    for key, b in theirs.items():
+        a = ours[key]
+        assert ("err" in a) == ("err" in b), (key, a, b)
+        if key.endswith("_lrs"):
+            rates = [np.float32(v["float"]) for v in a["ok"]["seq"]]
+            assert rates == [np.float32(v["float"]) for v in b["ok"]["seq"]], key
+        elif "ok" in b:
+            assert_same(_unwrap(a["ok"]), _unwrap(b["ok"]), key)
+
+
+def _params(rec: dict, key: str) -> dict[str, np.ndarray]:
+    return {t["seq"][0]: np.array(t["seq"][-1]["array"], np.float32) for t in rec[key]["ok"]["seq"]}
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)).max())
+
+
+def _worst_ulps(runs: str, name: str, side: str, steps: range) -> int:
+    d = os.path.join(runs, name)
+    ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}", "ort"))
+    worst = 0
+    for i in steps:
+        assert_same(ours[f"grads_{i}"]["ok"], theirs[f"grads_{i}"]["ok"], f"{name} grads {i}")
+        a, b = _params(ours, f"params_{i}"), _params(theirs, f"params_{i}")
+        worst = max(worst, *(_ulps(a[k], b[k]) for k in b))
+    return worst
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("name", _tiered(OPTIMIZERS, DEFAULT_OPTIMIZERS))
+def test_optimizer_updates_as_onnxruntime_training(runs, name, side):
+    """AdamW (defaults, no bias correction, other betas/eps, weight decay) and SGD over 20 train-and-step
+    rounds of a model whose gradients are the same bits in any graph: SGD bit for bit; AdamW's first update
+    (same weights, gradients, zero moments) within 1 ulp and 20 updates within 1e-5 (1.19.2's CPU kernel
+    takes an approximate square root: its own result is a few ulps off the exact one, so bits cannot be
+    matched; the rest of the gap is the xfail below)."""
+    if name.startswith("sgd"):
+        assert _worst_ulps(runs, name, side, range(STEPS)) == 0
+        return
+    assert _worst_ulps(runs, name, side, range(1)) <= 1
+    d = os.path.join(runs, name)
+    ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}", "ort"))
+    for i in range(STEPS):
+        a, b = _params(ours, f"params_{i}"), _params(theirs, f"params_{i}")
+        for k in b:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} step {i} {k}")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "onnxblock/optim/optim.py AdamW (not helper O's file) rounds otherwise than onnxruntime's AdamWOptimizer "
+    "CPU kernel: it computes the bias-corrected rate in float64, lr*sqrt(1-b2^t)/(1-b1^t), where the "
+    "kernel takes c = 1.f - (float)pow(b, t) and lr*(sqrtf(c2)/c1) in float32 (1 - 0.999^2 cancels: the "
+    "rates differ by ~1e-5 relative); it updates lr_t*(m/denom) where the kernel does (lr_t*m)/denom; it "
+    "decays "
+    "p*(1 - lr*wd) where the kernel does p - (lr*wd)*p. Fix in AdamW.prepare/update (flat_update builds its "
+    "model from the block, and the ort_artifacts translation uses the block, so both follow); with it "
+    "(tried in a worktree) the default AdamW and the weight-decay case stay within 1 ulp of 1.19.2 over "
+    "20 steps, from 17 and 30 ulps now"))
+@pytest.mark.parametrize("name", _tiered(["adamw", "decay"], DEFAULT_OPTIMIZERS))
+def test_adamw_rounds_as_onnxruntime_trainings_kernel(runs, name):
+    """20 AdamW updates within 2 ulps of onnxruntime-training 1.19.2's (its approximate square root leaves
+    1 ulp)."""
+    assert _worst_ulps(runs, name, "theirs", range(STEPS)) <= 2
+    assert _worst_ulps(runs, name, "ours", range(STEPS)) <= 2
