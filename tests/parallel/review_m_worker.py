@@ -63,6 +63,10 @@ def model() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def model_weights() -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model().graph.initializer}
+
+
 def micro_batches(accumulation: int, scale: float = 1.0) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every micro-batch of the 3 steps (all ranks' rows), ``STEPS · accumulation`` of them."""
     rng = np.random.default_rng(11)
@@ -104,11 +108,18 @@ def train_cases(rank: int, size: int) -> dict:
         if mode == "adasum" and size & (size - 1):
             continue
         s = TrainingSession(model().SerializeToString(), params(mode, opt, acc))
-        for x, y in micro_batches(acc):
-            s.run(["loss"], {"x": part(x, rank, size), "y": part(y, rank, size),
-                             "Learning_Rate": np.array([LR], np.float32)})
+        norms = []
+        for i, (x, y) in enumerate(micro_batches(acc)):
+            due = opt == "AdamOptimizer" and mode != "adasum" and i % acc == acc - 1  # an update step's norm
+            got = s.run(["loss", "global_gradient_norm"] if due else ["loss"],
+                        {"x": part(x, rank, size), "y": part(y, rank, size),
+                         "Learning_Rate": np.array([LR], np.float32)})
+            if due:
+                norms.append(float(np.asarray(got[1]).reshape(-1)[0]))
         state = s.gather_state() if mode == "zero" else s.get_state()
         out[name] = {k: np.asarray(v) for k, v in state.items()}
+        out[name + " norms"] = norms
+        out[name + " own state"] = {k: int(np.asarray(v).size) for k, v in s.get_state().items()}
     return out
 
 

@@ -117,11 +117,13 @@ def oracle(name: str, size: int) -> tuple[dict[str, np.ndarray], dict[str, np.nd
     w = _initial()
     if mode != "adasum":
         adam = _Adam(w)
+        norms = []
         for s in range(wk.STEPS):
             g = _mean_gradients(w, micro[s * acc:(s + 1) * acc])
+            norms.append(np.sqrt(sum(float(np.sum(v * v)) for v in g.values())))
             w = adam.step(w, _clip(g)) if opt == "AdamOptimizer" else _sgd(w, g)
         moments = {f"Moment_{i}_{k}": m[k] for k in w for i, m in ((1, adam.m), (2, adam.v))}
-        return w, moments if opt == "AdamOptimizer" else {}
+        return w, ({**moments, "norms": np.array(norms)} if opt == "AdamOptimizer" else {})
     adams = [_Adam(w) for _ in range(size)]
     for s in range(wk.STEPS):
         deltas = []
@@ -148,9 +150,19 @@ def test_training_matches_the_float64_oracle(ranks, name: str) -> None:
         for r, st in enumerate(states):  # float32 training against float64: 3 steps of size ~LR
             np.testing.assert_allclose(st[k], want[k], rtol=1e-4, atol=2e-6, err_msg=f"{name} {k} rank {r}")
             np.testing.assert_array_equal(st[k], states[0][k], err_msg=f"{name} {k}: ranks differ")
+    norms = moments.pop("norms", None)
     for k, v in moments.items():  # ZeRO: gathered from the ranks' pieces
         for r, st in enumerate(states):
             np.testing.assert_allclose(st[k], v, rtol=2e-4, atol=1e-9, err_msg=f"{name} {k} rank {r}")
+    if norms is not None:  # the global norm of the averaged gradients (above MAX_NORM: clipping acted)
+        assert (norms > 2 * wk.MAX_NORM).all(), norms
+        for r, got in enumerate(ranks):
+            np.testing.assert_allclose(got["train"][name + " norms"], norms, rtol=1e-5, err_msg=f"{name} {r}")
+    if mode == "zero":  # each rank holds the moments of its own pieces only, together every element once
+        held = [sum(n for k, n in r["train"][name + " own state"].items() if k.startswith("Moment_1_"))
+                for r in ranks]
+        total = sum(v.size for k, v in wk.model_weights().items())
+        assert sum(held) == total and max(held) < total, (held, total)
 
 
 @pytest.mark.mpi
