@@ -188,7 +188,7 @@ def test_half_gradients_are_averaged_rounding_once(ranks, tname: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["adasum", "zero", "allreduce"])
+@pytest.mark.parametrize("mode", ["adasum", "zero", extended("allreduce", id="allreduce")])
 @pytest.mark.parametrize("acc", [1, extended(2, id="2")])
 def test_a_step_skipped_for_overflow_keeps_the_ranks_in_lockstep(ranks, mode: str, acc: int) -> None:
     """Steps 2 (rank 1 overflows) and 3 (every rank) are skipped on every rank: all_gradients_finite (and
