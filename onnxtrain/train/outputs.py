@@ -212,9 +212,12 @@ def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndar
 
     A model whose data inputs declare one fixed batch size (a torch export without ``dynamic_axes``) is
     written with a symbolic batch axis (``batch``) when it runs at other batch sizes (tried at 1 and 2
-    rows); otherwise it keeps the fixed size and a warning on stderr says why."""
+    rows); otherwise it keeps the fixed size and a warning on stderr says why. A built-in model names
+    onnxtrain and its version as its producer; a model from ``model.path`` keeps its own, as
+    onnxruntime-training's export_model_for_inferencing keeps the base model's."""
     m, arrays = inference_parts(model, [cfg.model.logits], weights)
-    m.producer_name, m.producer_version = "onnxtrain", __version__
+    if cfg.model.builder is not None:  # onnxtrain made the model; a user's keeps its producer, as
+        m.producer_name, m.producer_version = "onnxtrain", __version__  # export_model_for_inferencing's
     free, why = any_batch_export(m, arrays)
     if why:
         print(f"onnxtrain: warning: {path} keeps the model's fixed batch size: {why}", file=sys.stderr)

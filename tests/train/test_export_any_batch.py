@@ -2,7 +2,9 @@
 model takes any batch size when its ops allow it (it kept the fixed 16, so onnxruntime refused 1 or 7 rows),
 and keeps the fixed size with a warning when they do not (a Reshape to a constant shape holding 16). Oracles:
 onnxruntime's inference package runs the file at 1, 7 and 16 rows; onnx.checker's full check; the numpy
-engine on the same rows. The file names onnxtrain and its version as its producer."""
+engine on the same rows. The file keeps the torch model's producer (name and version), as
+onnxruntime-training 1.19.2's export_model_for_inferencing keeps the base model's; a built-in model's export
+names onnxtrain and its version (the version was empty)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 
 import onnxtrain
 from onnxtrain.cli import main
+from tests.train.conftest import config_path
 
 BATCH = 16
 
@@ -86,7 +89,8 @@ def test_fixed_batch_export_takes_any_batch(tmp_path, capsys) -> None:
     onnx.checker.check_model(m, full_check=True)
     assert _first_dim(m).dim_param and not _first_dim(m).HasField("dim_value")
     assert m.graph.output[0].type.tensor_type.shape.dim[0].dim_param == _first_dim(m).dim_param
-    assert (m.producer_name, m.producer_version) == ("onnxtrain", onnxtrain.__version__)
+    given = onnx.load(str(tmp_path / "net.onnx"), load_external_data=False)
+    assert (m.producer_name, m.producer_version) == ("pytorch", given.producer_version) != ("pytorch", "")
     for rows in (1, 7, BATCH):
         _same_as_engine(path, rows)
 
@@ -102,3 +106,14 @@ def test_constant_batch_reshape_keeps_fixed_batch_and_says_why(tmp_path, capsys)
     with pytest.raises(Exception, match="(?i)dimension|shape"):  # onnxruntime refuses other sizes too
         ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(
             None, {"x": np.zeros((7, 12), np.float32)})
+
+
+def test_built_in_model_export_names_onnxtrain_and_its_version(tmp_path) -> None:
+    out, exported = str(tmp_path / "run"), str(tmp_path / "mlp.onnx")
+    small = ["--set", "training.steps=2", "--set", "training.epochs=null", "--set",
+             "model.args.sizes=[64,8,10]", "--set", "output.plot=false"]
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, *small]) == 0
+    assert main(["export", config_path("digits_mlp"), "--checkpoint", out, "-o", exported, *small]) == 0
+    for path in (exported, str(tmp_path / "run" / "model.onnx")):
+        m = onnx.load(path)
+        assert (m.producer_name, m.producer_version) == ("onnxtrain", onnxtrain.__version__), path
