@@ -4,7 +4,9 @@ in float32. The factor was taken in the half type: bfloat16(1/6) is 0.1669921875
 float16(1/6) 0.16662598 (0.024 % low), so with three accumulation steps on two ranks (or three ranks) every
 gradient of a bfloat16 or float16 model was biased by that much, and a fetched global_gradient_norm with it
 (0.19 % above one process's for bfloat16). Factors that are powers of two (2 or 4 ranks, no accumulation)
-were exact, which the other tests take.
+were exact, which the other tests take. (Since review M the exchange itself sums half gradients unscaled in
+float32 and scales the sum in float64, rounding once: tests/parallel/test_review_m_exchange.py checks the
+ranks' mean; here one rank's reduction still gives the product rounded once.)
 
 Oracles: the float64 product correctly rounded to the half type (ml_dtypes' and numpy's casts round to
 nearest even), and under ``mpiexec -n 2`` the float64 norm of the batch mean of x for the model of
