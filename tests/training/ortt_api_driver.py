@@ -342,4 +342,108 @@ def continue_from(A, c, folder, checkpoint, data):
     P("continued", lambda: [m(*feeds(data, 2)), grads_of(st), o.step(), params_of(st)])
     P("second", lambda: [m(*feeds(data, 3)), o.step(), params_of(st)])
     return rec
+
+
+def edges(A, c, folder, data, out):
+    """Argument types and edge uses of each call, on fresh objects."""
+    import pathlib
+    rec = {}
+    P = lambda key, fn: probe(rec, key, fn)  # noqa: E731
+    f = paths(folder)
+    ckpt = os.path.join(folder, "checkpoint")
+    P("load_pathlib", lambda: len(A.CheckpointState.load_checkpoint(pathlib.Path(ckpt)).parameters))
+    state = A.CheckpointState.load_checkpoint(ckpt)
+    P("module_missing_train", lambda: A.Module(os.path.join(out, "none.onnx"), state, f["eval_model"]))
+    P("module_missing_eval", lambda: A.Module(f["training_model"], state, os.path.join(out, "none.onnx")))
+    P("module_eval_as_train", lambda: A.Module(f["eval_model"], state, f["eval_model"]).input_names())
+    m = A.Module(pathlib.Path(f["training_model"]), state, pathlib.Path(f["eval_model"]))
+    P("train_int_mode", lambda: [m.train(0).training, m.input_names(), m.output_names()])
+    P("train_int_mode_1", lambda: [m.train(1).training, m.input_names()])
+    m.train()
+    P("optimizer_missing", lambda: A.Optimizer(os.path.join(out, "none.onnx"), m))
+    P("optimizer_is_training_model", lambda: A.Optimizer(f["training_model"], m))
+    o = A.Optimizer(pathlib.Path(f["optimizer_model"]), m)
+    P("lr_type", lambda: o.get_learning_rate())
+    P("set_lr_int", lambda: [o.set_learning_rate(1), o.get_learning_rate()])
+    P("set_lr_np", lambda: [o.set_learning_rate(np.float32(0.125)), o.get_learning_rate()])
+    P("set_lr_np64", lambda: [o.set_learning_rate(np.float64(0.1)), o.get_learning_rate()])
+    P("set_lr_negative", lambda: [o.set_learning_rate(-0.5), o.get_learning_rate()])
+    P("set_lr_str", lambda: o.set_learning_rate("0.1"))
+    P("set_lr_none", lambda: o.set_learning_rate(None))
+    P("set_lr_array", lambda: o.set_learning_rate(np.array([0.1], np.float32)))
+    P("lr_after_bad", o.get_learning_rate)
+    o.set_learning_rate(0.05)
+    name0 = c["requires_grad"][0]
+    held = state.parameters[name0].data
+    before = np.array(held)
+    f0 = feeds(data, 0)
+    P("call", lambda: m(*f0))
+    grad_held = state.parameters[name0].grad
+    P("step", o.step)
+    P("data_is_live", lambda: bool(not np.array_equal(held, before)))
+    P("data_equals_state", lambda: bool(np.array_equal(held, state.parameters[name0].data)))
+    P("grad_after_step", lambda: state.parameters[name0].grad)
+    P("call2", lambda: m(*feeds(data, 1)))
+    P("grad_is_live", lambda: bool(np.array_equal(grad_held, state.parameters[name0].grad)))
+    contig = m.get_contiguous_parameters(True)
+    P("contig_is_copy",
+      lambda: [np.asarray(contig.numpy()).__setitem__(0, 123.0), state.parameters[name0].data])
+    full = np.asarray(m.get_contiguous_parameters(False).numpy()).copy()
+    P("copy_2d", lambda: m.copy_buffer_to_parameters(A.buffer(np.ascontiguousarray(full.reshape(1, -1))),
+                                                      False))
+    P("params_after_2d", lambda: params_of(state))
+    P("copy_int_flag", lambda: m.copy_buffer_to_parameters(A.buffer(full), 0))
+    P("params_after_int_flag", lambda: params_of(state))
+    P("size_int_flag", lambda: [m.get_parameters_size(0), m.get_parameters_size(1)])
+    # properties: numbers at the edges, text
+    props = state.properties
+    P("prop_big_int", lambda: [props.__setitem__("big", 2 ** 62), props["big"]])
+    P("prop_too_big", lambda: props.__setitem__("big2", 2 ** 63))
+    P("prop_inf", lambda: [props.__setitem__("inf", float("inf")), props["inf"]])
+    P("prop_nan", lambda: [props.__setitem__("nan", float("nan")), str(props["nan"])])
+    P("prop_f_rounding", lambda: [props.__setitem__("third", 1 / 3), props["third"]])
+    P("prop_unicode", lambda: [props.__setitem__("u", "h\u00e9llo \u2713"), props["u"]])
+    P("prop_empty_name", lambda: [props.__setitem__("", 1), props[""]])
+    P("prop_bytes", lambda: [props.__setitem__("by", b"abc"), props["by"]])
+    P("save_with_props", lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "props_ckpt")))
+    P("props_loaded", lambda: [(k, str(v)) for k, v in
+                               A.CheckpointState.load_checkpoint(os.path.join(out, "props_ckpt")).properties
+                               if not k.startswith("onnxtrain.")])
+    # saves without an Optimizer, with the flag as other types
+    st2 = A.CheckpointState.load_checkpoint(ckpt)
+    P("save_opt_without_optimizer",
+      lambda: A.CheckpointState.save_checkpoint(st2, os.path.join(out, "noopt"), True))
+    P("load_saved_without_optimizer",
+      lambda: params_of(A.CheckpointState.load_checkpoint(os.path.join(out, "noopt"))))
+    P("save_pathlib", lambda: A.CheckpointState.save_checkpoint(state, pathlib.Path(out) / "pl_ckpt", True))
+    P("save_flag_int", lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "int_ckpt"), 1))
+    # two Optimizers over one Module: their step counts and rates
+    o2 = A.Optimizer(f["optimizer_model"], m)
+    P("second_optimizer_lr", o2.get_learning_rate)
+    o2.set_learning_rate(0.01)
+    P("first_optimizer_lr_after", o.get_learning_rate)
+    P("second_step", lambda: [o2.step(), params_of(state)])
+    P("first_step_again", lambda: [o.step(), params_of(state)])
+    P("save_two_optimizers",
+      lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "two_ckpt"), True))
+    st3 = A.CheckpointState.load_checkpoint(os.path.join(out, "two_ckpt"))
+    m2 = A.Module(f["training_model"], st3)
+    o3 = A.Optimizer(f["optimizer_model"], m2)
+    P("resumed_two_lr", o3.get_learning_rate)
+    o3.set_learning_rate(0.01)
+    P("resumed_two", lambda: [m2(*f0), o3.step(), params_of(st3)])
+    # the scheduler's arguments
+    for key, args in (("sched_negative", (-1, 5, 0.1)), ("sched_float_counts", (1.0, 5.0, 0.1)),
+                      ("sched_int_lr", (1, 5, 1)), ("sched_str_lr", (1, 5, "0.1"))):
+        P(key, lambda: [A.scheduler(o, *args) is not None, o.get_learning_rate()])
+    # exports
+    ex = c["exports"]
+    P("export_pathlib", lambda: m.export_model_for_inferencing(pathlib.Path(out) / "pl.onnx", ex[:1]))
+    P("export_duplicate",
+      lambda: m.export_model_for_inferencing(os.path.join(out, "dup.onnx"), [ex[0], ex[0]]))
+    P("export_str_names", lambda: m.export_model_for_inferencing(os.path.join(out, "str.onnx"), ex[0]))
+    P("export_tuple_names", lambda: m.export_model_for_inferencing(os.path.join(out, "tup.onnx"), tuple(ex)))
+    P("export_input_name", lambda: m.export_model_for_inferencing(os.path.join(out, "inp.onnx"), ["input"]))
+    P("export_param_name", lambda: m.export_model_for_inferencing(os.path.join(out, "par.onnx"), [name0]))
+    return rec
 '''
