@@ -8,8 +8,10 @@ session never touched MPI then), while the others wait for it in the start-up ch
 timeout ends that job. Telling it at once would need a collective in every session under ``mpiexec``, which a
 rank training alone (or a session without an optimizer, which one rank may build alone) must not make. The
 timeout's message names ``world_size`` (extended tier: it waits for a 3-second timeout).
-onnxruntime-training 1.16.3 had no check at all: with MPI it replaced a ``world_size`` above 1 and a
-``world_rank`` by MPI's with a warning (its pip wheels were built without MPI)."""
+onnxruntime's legacy session had no such check: built with MPI it replaced a ``world_size`` above 1 and a
+``world_rank`` by MPI's, with a warning (orttraining_pybind_state.cc); the CPU wheel of 1.16.3, built without
+MPI, refuses every ``world_size`` above 1 at construction ("Performing Allreduce is only supported using
+NCCL"; Adasum: "ORT is not built with NCCL"), so it is no oracle for a run over MPI."""
 
 from __future__ import annotations
 
