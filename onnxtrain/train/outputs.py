@@ -225,7 +225,8 @@ def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndar
     save_model_sized(free, path, arrays=arrays)
 
 
-BATCH_SYMBOL = "batch"  # the name of the exported model's batch axis where it was a fixed size
+BATCH_SYMBOL = "batch"  # the name of the exported model's batch axis where it was a fixed size (batch_1, ...
+# when the model names another axis so)
 
 
 def _first_dims(values: Any) -> list[tuple[str, int | None]]:
@@ -260,10 +261,14 @@ def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]
     free = onnx.ModelProto()
     free.CopyFrom(m)
     g = free.graph
+    declared = [v for v in [*g.input, *g.output] if v.type.HasField("tensor_type")]
+    taken = {d.dim_param for v in declared for d in v.type.tensor_type.shape.dim}
+    names = (BATCH_SYMBOL + (f"_{k}" if k else "") for k in range(len(taken) + 1))
+    symbol = next(s for s in names if s not in taken)
     for v in [*(v for v in g.input if v.name not in held), *g.output]:
         dims = v.type.tensor_type.shape.dim if v.type.HasField("tensor_type") else ()
         if len(dims) and dims[0].HasField("dim_value"):
-            dims[0].dim_param = BATCH_SYMBOL
+            dims[0].dim_param = symbol
     del g.value_info[:]  # (shapes inferred for the fixed batch)
     why = _runs_at_any_batch(free, arrays, fixed)
     return (m, why) if why else (free, None)

@@ -117,3 +117,41 @@ def test_built_in_model_export_names_onnxtrain_and_its_version(tmp_path) -> None
     for path in (exported, str(tmp_path / "run" / "model.onnx")):
         m = onnx.load(path)
         assert (m.producer_name, m.producer_version) == ("onnxtrain", onnxtrain.__version__), path
+
+
+def _tiny(nodes: list, inputs: list, outputs: list, inits: tuple = ()) -> onnx.ModelProto:
+    from onnx import helper
+
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_any_batch_export_cases() -> None:
+    """The symbol avoids a name the model uses; inputs of two batch sizes, a batch summed away, and an
+    Expand to a constant shape keep the fixed size with the reason; onnxruntime runs the freed one at 3
+    rows."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain.train.outputs import any_batch_export
+
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    named = _tiny([helper.make_node("Relu", ["x"], ["y"])], [vi("x", f, [4, "batch"])],
+                  [vi("y", f, [4, "batch"])])
+    free, why = any_batch_export(named)
+    assert why is None
+    assert [d.dim_param for d in free.graph.input[0].type.tensor_type.shape.dim] == ["batch_1", "batch"]
+    x = np.ones((3, 5), np.float32)
+    assert ort.InferenceSession(free.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0].shape == (3, 5)
+    two = _tiny([helper.make_node("Add", ["a", "b"], ["y"])], [vi("a", f, [4, 2]), vi("b", f, [1, 2])],
+                [vi("y", f, [4, 2])])
+    assert any_batch_export(two)[1].startswith("its inputs' first axes are not one batch axis")
+    summed = _tiny([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=1)], [vi("x", f, [4, 2])],
+                   [vi("y", f, [1, 1])])
+    assert "first axis is not its batch axis" in any_batch_export(summed)[1]
+    shape = numpy_helper.from_array(np.array([4, 2], np.int64), "shape")
+    expanded = _tiny([helper.make_node("Expand", ["x", "shape"], ["y"])], [vi("x", f, [4, 1])],
+                     [vi("y", f, [4, 2])], (shape,))
+    kept, why = any_batch_export(expanded)
+    assert kept is expanded and "rows instead of 4" in why
