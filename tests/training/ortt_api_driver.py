@@ -3,7 +3,8 @@
 ``DRIVER`` is executed in this process over onnxtrain's API and in onnxruntime-training 1.19.2's venv over
 its own (``tests/ortt.py``); ``A`` is a namespace with ``artifacts``, ``onnxblock``, ``CheckpointState``,
 ``Module``, ``Optimizer``, ``scheduler(o, warmup, total, lr)`` (in the documented argument order),
-``buffer(array)`` (what ``copy_buffer_to_parameters`` takes) and ``ortvalue(array)``. Every call is made
+``buffer(array)`` (what ``copy_buffer_to_parameters`` takes), ``ortvalue(array)`` and
+``onnxruntime_ortvalue(array)`` (an OrtValue of onnxruntime's class). Every call is made
 through ``probe``, which records its value (arrays as lists with dtype and shape) or its exception (class,
 the built-in exception classes it derives from, message), so that the two records can be compared key by
 key.
@@ -88,7 +89,8 @@ def generate(A, c, base, folder):
     import onnx
     A.artifacts.generate_artifacts(onnx.load(base), requires_grad=c["requires_grad"],
                                    frozen_params=c["frozen"] or None, loss=make_loss(A, c["loss"]),
-                                   optimizer=make_optimizer(A, c["optimizer"]), artifact_directory=folder)
+                                   optimizer=make_optimizer(A, c["optimizer"]), artifact_directory=folder,
+                                   additional_output_names=c.get("extra") or None)
 
 
 def feeds(data, i):
@@ -140,6 +142,8 @@ def scenario(A, c, folder, data, out):
     P("call_one_dict", lambda: m(dict(zip(m.input_names(), f0))))
     P("call_ortvalues", lambda: m(*[A.ortvalue(a) for a in f0]))
     P("call_mixed", lambda: m(A.ortvalue(f0[0]), f0[1]))
+    # onnxruntime's own OrtValues (the inference package's, in onnxtrain's process)
+    P("call_onnxruntime_ortvalues", lambda: m(*[A.onnxruntime_ortvalue(a) for a in f0]))
     P("call_too_few", lambda: m(f0[0]))
     P("call_too_many", lambda: m(*f0, f0[1]))
     P("call_wrong_dtype", lambda: m(f0[0].astype(np.float64) if f0[0].dtype == np.float32 else
@@ -436,6 +440,26 @@ def edges(A, c, folder, data, out):
     for key, args in (("sched_negative", (-1, 5, 0.1)), ("sched_float_counts", (1.0, 5.0, 0.1)),
                       ("sched_int_lr", (1, 5, 1)), ("sched_str_lr", (1, 5, "0.1"))):
         P(key, lambda: [A.scheduler(o, *args) is not None, o.get_learning_rate()])
+    # a reset then a step without a training call (the old gradients apply); a scheduler made after steps
+    # and over a restored step count; a save right after the Optimizer is made
+    st4 = A.CheckpointState.load_checkpoint(ckpt)
+    m4 = A.Module(f["training_model"], st4)
+    o4 = A.Optimizer(f["optimizer_model"], m4)
+    P("save_fresh_optimizer",
+      lambda: A.CheckpointState.save_checkpoint(st4, os.path.join(out, "fresh_opt"), True))
+    P("load_fresh_optimizer",
+      lambda: params_of(A.CheckpointState.load_checkpoint(os.path.join(out, "fresh_opt"))))
+    o4.set_learning_rate(0.02)
+    P("reset_then_step", lambda: [m4(*f0), m4.lazy_reset_grad(), o4.step(), grads_of(st4), params_of(st4)])
+    P("reset_then_two_calls", lambda: [m4(*feeds(data, 1)), m4(*feeds(data, 2)), grads_of(st4)])
+    P("late_scheduler", lambda: [o4.step(), A.scheduler(o4, 2, 6, 0.1) is not None, o4.get_learning_rate()])
+    P("late_scheduler_after", lambda: [o4.step(), o4.get_learning_rate()])
+    A.CheckpointState.save_checkpoint(st4, os.path.join(out, "late_ckpt"), True)
+    st5 = A.CheckpointState.load_checkpoint(os.path.join(out, "late_ckpt"))
+    m5 = A.Module(f["training_model"], st5)
+    o5 = A.Optimizer(f["optimizer_model"], m5)
+    P("restored_scheduler", lambda: [A.scheduler(o5, 2, 6, 0.1) is not None, o5.get_learning_rate()])
+    P("restored_scheduler_step", lambda: [m5(*f0), o5.step(), params_of(st5), o5.get_learning_rate()])
     # exports
     ex = c["exports"]
     P("export_pathlib", lambda: m.export_model_for_inferencing(pathlib.Path(out) / "pl.onnx", ex[:1]))

@@ -1,7 +1,8 @@
 """The on-device API, call by call, against onnxruntime-training 1.19.2.
 
 Small models (an MLP, a conv net, an MLP with a frozen weight, a linear layer with a BatchNormalization
-whose running statistics are frozen buffers, an embedding of int64 indices) get their artifacts from each
+whose running statistics are frozen buffers, an MLP with two additional outputs, an embedding of int64
+indices) get their artifacts from each
 project's ``generate_artifacts``; the same call sequence (``tests/training/ortt_api_driver.py``) runs on
 
 * onnxruntime-training's artifacts in onnxruntime-training (the oracle),
@@ -96,6 +97,9 @@ CASES = {
                    requires_grad=["fc1.bias", "fc2.weight", "fc2.bias"], exports=["output", "b"]),
     "bn": dict(model=bn_net, loss="mse", optimizer=["sgd"], frozen=["bn.mean", "bn.var"],
                requires_grad=["fc.weight", "bn.scale", "bn.bias"], exports=["output", "h"]),
+    "outputs": dict(model=small_mlp, loss="mse", optimizer=["adamw"], frozen=[], extra=["c", "output"],
+                    requires_grad=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
+                    exports=["c", "output"]),
     "embed": dict(model=embed_net, loss="ce", optimizer=["adamw"], frozen=[],
                   requires_grad=["emb.weight", "fc.weight"], exports=["output", "fl"]),
 }
@@ -136,7 +140,7 @@ A = types.SimpleNamespace(
     # its Python wrapper hands (warmup, total) to a binding that takes (total, warmup): swapped back here
     scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr),
     buffer=lambda a: OrtValue.ortvalue_from_numpy(a)._ortvalue,
-    ortvalue=OrtValue.ortvalue_from_numpy)
+    ortvalue=OrtValue.ortvalue_from_numpy, onnxruntime_ortvalue=OrtValue.ortvalue_from_numpy)
 with open(sys.argv[1]) as f:
     jobs = json.load(f)
 done = {}
@@ -170,6 +174,8 @@ exec(compile(DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same driver s
 
 
 def onnxtrain_api() -> types.SimpleNamespace:
+    import onnxruntime
+
     from onnxtrain import OrtValue
     from onnxtrain.training import artifacts, onnxblock
     from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
@@ -177,7 +183,8 @@ def onnxtrain_api() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
         Optimizer=Optimizer, scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr),
-        buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy)
+        buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy,
+        onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy)
 
 
 def lowered(folder: str) -> None:
