@@ -74,9 +74,10 @@ def make_optimizer(A, spec):
         return A.artifacts.OptimType.AdamW
     if kind == "sgd":
         return A.artifacts.OptimType.SGD
+    clip = A.onnxblock.optim.ClipGradNorm(spec[2]) if len(spec) > 2 else None
     if kind == "adamw_block":
-        return A.onnxblock.optim.AdamW(**spec[1])
-    return A.onnxblock.optim.SGD()
+        return A.onnxblock.optim.AdamW(**spec[1], clip_grad=clip)
+    return A.onnxblock.optim.SGD(clip_grad=clip)
 
 
 def make_loss(A, name):

@@ -205,7 +205,8 @@ SCHEDULES = [(0, 5), (5, 5), (2, 5), (0, 0), (3, 2), (1, 1), (4, 0)]  # (warmup,
 OPTIMIZERS = {"adamw": ["adamw"], "no_bias_correction": ["adamw_block", {"bias_correction": False}],
               "betas_eps_decay": ["adamw_block", {"betas": [0.8, 0.95], "eps": 1e-4, "weight_decay": 0.1}],
               "decay": ["adamw_block", {"weight_decay": 0.01, "eps": 1e-8}], "sgd": ["sgd"],
-              "sgd_block": ["sgd_block"]}
+              "sgd_block": ["sgd_block"],  # and with ClipGradNorm(0.05), which clips every step here
+              "clip": ["adamw_block", {}, 0.05], "sgd_clip": ["sgd_block", {}, 0.05]}
 STEPS = 20
 SIDES = ("theirs", "ours")  # onnxtrain on onnxruntime-training's artifacts, on its own
 # the default suite's cases (a few seconds): the MLP (AdamW, cross-entropy) and the BatchNorm net (SGD, frozen
@@ -524,7 +525,8 @@ def _worst_ulps(runs: str, name: str, side: str, steps: range) -> int:
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("name", _tiered(OPTIMIZERS, DEFAULT_OPTIMIZERS))
 def test_optimizer_updates_as_onnxruntime_training(runs, name, side):
-    """AdamW (defaults, no bias correction, other betas/eps, weight decay) and SGD over 20 train-and-step
+    """AdamW (defaults, no bias correction, other betas/eps, weight decay, clipping) and SGD (clipping too)
+    over 20 train-and-step
     rounds of a model whose gradients are the same bits in any graph: SGD bit for bit; AdamW's first update
     (same weights, gradients, zero moments) within 1 ulp and 20 updates within 1e-5 (1.19.2's CPU kernel
     takes an approximate square root: its own result is a few ulps off the exact one, so bits cannot be
