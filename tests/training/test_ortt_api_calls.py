@@ -526,11 +526,10 @@ def _worst_ulps(runs: str, name: str, side: str, steps: range) -> int:
 @pytest.mark.parametrize("name", _tiered(OPTIMIZERS, DEFAULT_OPTIMIZERS))
 def test_optimizer_updates_as_onnxruntime_training(runs, name, side):
     """AdamW (defaults, no bias correction, other betas/eps, weight decay, clipping) and SGD (clipping too)
-    over 20 train-and-step
-    rounds of a model whose gradients are the same bits in any graph: SGD bit for bit; AdamW's first update
-    (same weights, gradients, zero moments) within 1 ulp and 20 updates within 1e-5 (1.19.2's CPU kernel
-    takes an approximate square root: its own result is a few ulps off the exact one, so bits cannot be
-    matched; the rest of the gap is the xfail below)."""
+    over 20 train-and-step rounds of a model whose gradients are the same bits in any graph: SGD bit for
+    bit; AdamW's first update (same weights, gradients, zero moments) within 1 ulp and 20 updates within
+    1e-5 (1.19.2's CPU kernel takes an approximate square root: its own result is a few ulps off the exact
+    one, so bits cannot be matched; the rest of the gap is the xfail below)."""
     if name.startswith("sgd"):
         assert _worst_ulps(runs, name, side, range(STEPS)) == 0
         return
