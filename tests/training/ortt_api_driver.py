@@ -3,11 +3,11 @@
 ``DRIVER`` is executed in this process over onnxtrain's API and in onnxruntime-training 1.19.2's venv over
 its own (``tests/ortt.py``); ``A`` is a namespace with ``artifacts``, ``onnxblock``, ``CheckpointState``,
 ``Module``, ``Optimizer``, ``scheduler(o, warmup, total, lr)`` (in the documented argument order),
-``buffer(array)`` (what ``copy_buffer_to_parameters`` takes), ``ortvalue(array)`` and
-``onnxruntime_ortvalue(array)`` (an OrtValue of onnxruntime's class). Every call is made
-through ``probe``, which records its value (arrays as lists with dtype and shape) or its exception (class,
-the built-in exception classes it derives from, message), so that the two records can be compared key by
-key.
+``buffer(array)`` (what ``copy_buffer_to_parameters`` takes), ``ortvalue(array)``,
+``onnxruntime_ortvalue(array)`` (an OrtValue of onnxruntime's class) and ``SessionOptions``. Every call
+is made through ``probe``, which records its value (arrays as lists with dtype and shape) or its exception
+(class, the built-in exception classes it derives from, message), so that the two records can be compared
+key by key.
 """
 
 DRIVER = r'''
@@ -361,6 +361,15 @@ def edges(A, c, folder, data, out):
     P("module_missing_train", lambda: A.Module(os.path.join(out, "none.onnx"), state, f["eval_model"]))
     P("module_missing_eval", lambda: A.Module(f["training_model"], state, os.path.join(out, "none.onnx")))
     P("module_eval_as_train", lambda: A.Module(f["eval_model"], state, f["eval_model"]).input_names())
+    for key, device in (("device_cpu", "cpu"), ("device_cpu0", "cpu:0"), ("device_cuda", "cuda"),
+                        ("device_bad", "tpu"), ("device_bad_index", "cpu:x")):
+        P(key, lambda: A.Module(f["training_model"], A.CheckpointState.load_checkpoint(ckpt), None,
+                                device).input_names())
+    P("session_options", lambda: A.Module(f["training_model"], A.CheckpointState.load_checkpoint(ckpt),
+                                          f["eval_model"], "cpu", A.SessionOptions())(*feeds(data, 0)))
+    P("state_not_a_state", lambda: A.Module(f["training_model"], ckpt))
+    P("module_keywords", lambda: A.Module(train_model_uri=f["training_model"], state=state,
+                                          eval_model_uri=f["eval_model"]).output_names())
     m = A.Module(pathlib.Path(f["training_model"]), state, pathlib.Path(f["eval_model"]))
     P("train_int_mode", lambda: [m.train(0).training, m.input_names(), m.output_names()])
     P("train_int_mode_1", lambda: [m.train(1).training, m.input_names()])

@@ -130,7 +130,7 @@ def case_data(name: str) -> dict[str, np.ndarray]:
 _ORT_SCRIPT = PREAMBLE + DRIVER + r'''
 import types
 IMPL = "onnxruntime-training"
-from onnxruntime import OrtValue
+from onnxruntime import OrtValue, SessionOptions
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
@@ -140,7 +140,8 @@ A = types.SimpleNamespace(
     # its Python wrapper hands (warmup, total) to a binding that takes (total, warmup): swapped back here
     scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr),
     buffer=lambda a: OrtValue.ortvalue_from_numpy(a)._ortvalue,
-    ortvalue=OrtValue.ortvalue_from_numpy, onnxruntime_ortvalue=OrtValue.ortvalue_from_numpy)
+    ortvalue=OrtValue.ortvalue_from_numpy, onnxruntime_ortvalue=OrtValue.ortvalue_from_numpy,
+    SessionOptions=SessionOptions)
 with open(sys.argv[1]) as f:
     jobs = json.load(f)
 done = {}
@@ -176,7 +177,7 @@ exec(compile(DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same driver s
 def onnxtrain_api() -> types.SimpleNamespace:
     import onnxruntime
 
-    from onnxtrain import OrtValue
+    from onnxtrain import OrtValue, SessionOptions
     from onnxtrain.training import artifacts, onnxblock
     from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
@@ -184,7 +185,7 @@ def onnxtrain_api() -> types.SimpleNamespace:
         artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
         Optimizer=Optimizer, scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr),
         buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy,
-        onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy)
+        onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy, SessionOptions=SessionOptions)
 
 
 def lowered(folder: str) -> None:
@@ -431,6 +432,10 @@ KNOWN_EDGES = {
     # onnxtrain refuses it naming the property
     "prop_too_big": lambda a, b: b == {"ok": None} and a["err"] == "ValueError" and "big2" in a["msg"],
     "props_loaded": lambda a, b: a["ok"]["seq"] == [p for p in b["ok"]["seq"] if p["seq"][0] != "big2"],
+    # a path where the state goes: 1.19.2 fails on its private attribute (AttributeError '_state'); a
+    # TypeError naming the class here
+    "state_not_a_state": lambda a, b: b["err"] == "AttributeError" and "TypeError" in a["bases"]
+    and "CheckpointState" in a["msg"],
     # the rate saved with the optimizer state (README): 0.01 here, 1.19.2's default 0.001 there
     "resumed_two_lr": lambda a, b: np.float32(a["ok"]["float"]) == np.float32(0.01)
     and np.float32(b["ok"]["float"]) == np.float32(1e-3),
@@ -578,7 +583,8 @@ def test_adamw_rounds_as_onnxruntime_trainings_kernel(runs, name):
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
 def test_edge_calls_as_onnxruntime_training(runs, name, side):
-    """Argument types and edge uses (pathlib paths, missing or wrong model files, train(0), learning rates of
+    """Argument types and edge uses (devices, session options, keyword arguments, a path for the state,
+    pathlib paths, missing or wrong model files, train(0), learning rates of
     other types, live .data/.grad views, contiguous buffers as copies, 2-D buffers, property numbers at
     their limits and text, saves without an optimizer or as flags of other types, two Optimizers over one
     Module, scheduler arguments, export names as str/tuple/duplicates/inputs/parameters) as 1.19.2."""
