@@ -470,6 +470,14 @@ def edges(A, c, folder, data, out):
     o5 = A.Optimizer(f["optimizer_model"], m5)
     P("restored_scheduler", lambda: [A.scheduler(o5, 2, 6, 0.1) is not None, o5.get_learning_rate()])
     P("restored_scheduler_step", lambda: [m5(*f0), o5.step(), params_of(st5), o5.get_learning_rate()])
+    # two Modules over one state: one set of gradient buffers (each Module's first call overwrites them)
+    st6 = A.CheckpointState.load_checkpoint(ckpt)
+    ma, mb = A.Module(f["training_model"], st6), A.Module(f["training_model"], st6, f["eval_model"])
+    P("two_modules",
+      lambda: [ma(*f0), mb(*feeds(data, 1)), grads_of(st6), ma(*feeds(data, 2)), grads_of(st6)])
+    P("two_modules_reset", lambda: [ma.lazy_reset_grad(), mb(*f0), grads_of(st6), ma(*f0), grads_of(st6)])
+    ob = A.Optimizer(f["optimizer_model"], mb)
+    P("two_modules_step", lambda: [ob.step(), params_of(st6), mb.eval()(*f0), ma(*f0)])
     # exports
     ex = c["exports"]
     P("export_pathlib", lambda: m.export_model_for_inferencing(pathlib.Path(out) / "pl.onnx", ex[:1]))

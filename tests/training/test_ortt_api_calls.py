@@ -436,10 +436,25 @@ KNOWN_EDGES = {
     # TypeError naming the class here
     "state_not_a_state": lambda a, b: b["err"] == "AttributeError" and "TypeError" in a["bases"]
     and "CheckpointState" in a["msg"],
+    # two Modules over one state (README: "Modules built over one CheckpointState share its gradients"):
+    # 1.19.2 gives each Module buffers of its own and .grad shows the newest Module's, so the first Module's
+    # later call leaves .grad as it was; here it adds to the shared ones. The calls before agree.
+    "two_modules": lambda a, b: _same(a["ok"]["seq"][:3], b["ok"]["seq"][:3])
+    and _same(b["ok"]["seq"][4], b["ok"]["seq"][2]) and not _same(a["ok"]["seq"][4], a["ok"]["seq"][2]),
+    "two_modules_reset": lambda a, b: "ok" in a and "ok" in b,
+    "two_modules_step": lambda a, b: "ok" in a and "ok" in b,
     # the rate saved with the optimizer state (README): 0.01 here, 1.19.2's default 0.001 there
     "resumed_two_lr": lambda a, b: np.float32(a["ok"]["float"]) == np.float32(0.01)
     and np.float32(b["ok"]["float"]) == np.float32(1e-3),
 }
+
+
+def _same(a, b) -> bool:
+    try:
+        assert_same(_unwrap(a), _unwrap(b), "")
+    except AssertionError:
+        return False
+    return True
 
 
 def _sessions_outputs(path: str, feeds: dict[str, np.ndarray]) -> tuple[list[str], list[str], list]:
@@ -587,7 +602,8 @@ def test_edge_calls_as_onnxruntime_training(runs, name, side):
     pathlib paths, missing or wrong model files, train(0), learning rates of
     other types, live .data/.grad views, contiguous buffers as copies, 2-D buffers, property numbers at
     their limits and text, saves without an optimizer or as flags of other types, two Optimizers over one
-    Module, scheduler arguments, export names as str/tuple/duplicates/inputs/parameters) as 1.19.2."""
+    Module, two Modules over one state, scheduler arguments, export names as str/tuple/duplicates/inputs/
+    parameters) as 1.19.2."""
     d = os.path.join(runs, name)
     ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}_edges", "ort_edges"))
     assert list(ours) == list(theirs)
