@@ -244,8 +244,11 @@ def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]
                      ) -> tuple[onnx.ModelProto, str | None]:
     """``m`` (an inference model whose weights are initializers or ``arrays``) with its fixed batch axis
     made symbolic, and None; or ``m`` itself and the reason it keeps its batch size (the data inputs'
-    first axes differ, or the model fails or gives other batch sizes at 1 and 2 rows: a Reshape or Expand
-    to a constant shape holding the batch size, say). A model without fixed first axes is returned as is."""
+    first axes differ, or the model fails or gives other batch sizes at 1 and 2 rows: an Expand to a
+    constant shape holding the batch size, say). A Reshape to a constant shape that starts with the batch
+    size (a static torch export's flatten) is tried with 0 there (the input's first axis, as ONNX's
+    Reshape reads 0). A freed model must give the fixed model's outputs at the fixed batch size. A model
+    without fixed first axes is returned as is."""
     held = {t.name for t in m.graph.initializer} | {n for n, _ in arrays}
     data = _first_dims(v for v in m.graph.input if v.name not in held)
     sizes = {n for _, n in data if n is not None}
@@ -270,27 +273,68 @@ def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]
         if len(dims) and dims[0].HasField("dim_value"):
             dims[0].dim_param = symbol
     del g.value_info[:]  # (shapes inferred for the fixed batch)
-    why = _runs_at_any_batch(free, arrays, fixed)
-    return (m, why) if why else (free, None)
+    tries = [free]
+    reshaped = onnx.ModelProto()
+    reshaped.CopyFrom(free)
+    if _reshapes_keep_rows(reshaped.graph, fixed):
+        tries.insert(0, reshaped)
+    why = None
+    for t in tries:
+        why = _runs_at_any_batch(t, m, arrays, fixed)
+        if why is None:
+            return t, None
+    return m, why
 
 
-def _runs_at_any_batch(free: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]], fixed: int
-                       ) -> str | None:
-    """None when ``free`` runs on the numpy engine at 1 and 2 rows, each output's first axis that many
-    rows, the first row alike in both; else what went wrong."""
+def _reshapes_keep_rows(g: onnx.GraphProto, fixed: int) -> int:
+    """Give each Reshape of ``g`` whose shape is a constant starting with ``fixed`` (and holding no 0) a
+    copy of that shape starting with 0 (its input's first axis) and ``allowzero`` 0, in place; how many it
+    changed."""
+    from onnx import numpy_helper
+
+    consts = {t.name: t for t in g.initializer}
+    consts.update({n.output[0]: a.t for n in g.node if n.op_type == "Constant" and n.output
+                   for a in n.attribute if a.name == "value"})
+    used = {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    changed = 0
+    for n in g.node:
+        if n.op_type != "Reshape" or len(n.input) < 2 or n.input[1] not in consts:
+            continue
+        shape = numpy_helper.to_array(consts[n.input[1]])
+        if shape.ndim != 1 or not len(shape) or shape[0] != fixed or (shape == 0).any():
+            continue
+        name = next(c for k in range(len(used) + 1) if (c := f"{n.input[1]}_rows{k}") not in used)
+        used.add(name)
+        rows = np.concatenate([[0], shape[1:]]).astype(shape.dtype)
+        g.initializer.append(numpy_helper.from_array(rows, name))
+        n.input[1] = name
+        for a in n.attribute:  # (allowzero = 1, as torch's dynamo exporter writes it, read 0 as a size: the
+            if a.name == "allowzero":  # shape held none, so 0 can mean "the input's" without changing it)
+                a.i = 0
+        changed += 1
+    return changed
+
+
+def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
+                       arrays: Sequence[tuple[str, np.ndarray]], fixed: int) -> str | None:
+    """None when ``free`` runs on the numpy engine at 1, 2 and ``fixed`` rows, each output's first axis
+    that many rows, the first row alike at 1 and 2 rows, and at ``fixed`` rows the outputs of
+    ``fixed_model``; else what went wrong."""
     from onnxtrain.engine.backends import make_plan
 
-    trial = onnx.ModelProto()
-    trial.CopyFrom(free)
-    g = trial.graph
-    for name, a in arrays:  # (fed, not copied into the proto)
-        g.input.append(onnx.helper.make_tensor_value_info(name, elem_type(a), a.shape))
-    held = {t.name for t in g.initializer} | {n for n, _ in arrays}
+    def plan_of(model: onnx.ModelProto) -> tuple[Any, onnx.GraphProto]:
+        trial = onnx.ModelProto()
+        trial.CopyFrom(model)
+        for name, a in arrays:  # (fed, not copied into the proto)
+            trial.graph.input.append(onnx.helper.make_tensor_value_info(name, elem_type(a), a.shape))
+        return make_plan(trial), trial.graph
+
+    held = {t.name for t in free.graph.initializer} | {n for n, _ in arrays}
     rng = np.random.default_rng(0)
-    results = []
+    results: list[tuple[list, dict[str, Any]]] = []
     try:
-        plan = make_plan(trial)
-        for rows in (1, 2):
+        plan, g = plan_of(free)
+        for rows in (1, 2, fixed):
             feeds: dict[str, Any] = dict(arrays)
             for v in g.input:
                 if v.name in held:
@@ -300,23 +344,30 @@ def _runs_at_any_batch(free: onnx.ModelProto, arrays: Sequence[tuple[str, np.nda
                 dt = np_dtype(tt.elem_type)
                 feeds[v.name] = (rng.standard_normal(shape).astype(dt) if dt.kind == "f"
                                  else np.zeros(shape, dt))
-            if rows == 2:  # (row 0 as at 1 row)
-                for v in g.input:
-                    if v.name not in held:
-                        feeds[v.name][:1] = results[0][1][v.name]
-            outs = plan.run(feeds)
-            results.append((outs, feeds))
+                if results:  # (row 0 as at 1 row)
+                    feeds[v.name][:1] = results[0][1][v.name]
+            results.append((plan.run(feeds), feeds))
+        want = plan_of(fixed_model)[0].run(results[-1][1])
     except Exception as e:  # noqa: BLE001 - any failure at another batch size keeps the fixed one
-        return f"at {len(results) + 1} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
-    for rows, (outs, _) in enumerate(results, 1):
+        rows = (1, 2, fixed)[min(len(results), 2)]
+        return f"at {rows} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
+    for rows, (outs, _) in zip((1, 2, fixed), results):
         for o, a in zip(g.output, outs):
             if np.ndim(a) == 0 or np.shape(a)[0] != rows:
                 return f"at {rows} rows instead of {fixed}, output {o.name!r} has shape {list(np.shape(a))}"
-    for o, a, b in zip(g.output, results[0][0], results[1][0]):
+
+    def alike(a: Any, b: Any, rtol: float) -> bool:
         a, b = np.asarray(a), np.asarray(b)
-        if a.dtype.kind in "fc" and not np.allclose(a[:1], b[:1], rtol=1e-3, atol=1e-5, equal_nan=True) or \
-                a.dtype.kind not in "fc" and not np.array_equal(a[:1], b[:1]):
+        if a.dtype.kind in "fc":
+            return a.shape == b.shape and np.allclose(a, b, rtol=rtol, atol=rtol * 1e-2, equal_nan=True)
+        return np.array_equal(a, b)
+
+    for o, a, b in zip(g.output, results[0][0], results[1][0]):
+        if not alike(a[:1], b[:1], 1e-3):
             return f"output {o.name!r}'s first row changes with the rows after it (the rows mix)"
+    for o, a, b in zip(g.output, results[2][0], want):
+        if not alike(a, b, 1e-5):
+            return f"at {fixed} rows output {o.name!r} differs from the fixed model's"
     return None
 
 

@@ -1,6 +1,7 @@
 """`onnxtrain export` of a model torch exported without ``dynamic_axes`` (a fixed batch of 16): the exported
 model takes any batch size when its ops allow it (it kept the fixed 16, so onnxruntime refused 1 or 7 rows),
-and keeps the fixed size with a warning when they do not (a Reshape to a constant shape holding 16). Oracles:
+a Reshape to a constant [16, ...] included (its 16 becomes 0, the input's rows), and keeps the fixed size
+with a warning when they do not (the rows flattened into one axis, then reshaped to [16, 12]). Oracles:
 onnxruntime's inference package runs the file at 1, 7 and 16 rows; onnx.checker's full check; the numpy
 engine on the same rows. The file keeps the torch model's producer (name and version), as
 onnxruntime-training 1.19.2's export_model_for_inferencing keeps the base model's; a built-in model's export
@@ -20,6 +21,7 @@ from torch import nn
 
 import onnxtrain
 from onnxtrain.cli import main
+from tests.tiers import extended
 from tests.train.conftest import config_path
 
 BATCH = 16
@@ -37,6 +39,11 @@ class _Mlp(nn.Module):
 class _BakedReshape(_Mlp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the batch size as a Python int: a constant shape
         return self.fc2(torch.relu(self.fc1(x.reshape(BATCH, 3, 4).reshape(BATCH, 12))))
+
+
+class _FlatReshape(_Mlp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # rows flattened together, then [16, 12] again
+        return self.fc2(torch.relu(self.fc1(x.reshape(-1).reshape(BATCH, 12))))
 
 
 def _export(net: nn.Module, path: str) -> None:
@@ -82,8 +89,9 @@ def _same_as_engine(path: str, rows: int) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_fixed_batch_export_takes_any_batch(tmp_path, capsys) -> None:
-    path = _train_and_export(tmp_path, _Mlp())
+@pytest.mark.parametrize("net", [_Mlp, _BakedReshape], ids=["mlp", "reshape_to_batch"])
+def test_fixed_batch_export_takes_any_batch(net, tmp_path, capsys) -> None:
+    path = _train_and_export(tmp_path, net())
     assert "keeps the model's fixed batch size" not in capsys.readouterr().err
     m = onnx.load(path)
     onnx.checker.check_model(m, full_check=True)
@@ -95,8 +103,8 @@ def test_fixed_batch_export_takes_any_batch(tmp_path, capsys) -> None:
         _same_as_engine(path, rows)
 
 
-def test_constant_batch_reshape_keeps_fixed_batch_and_says_why(tmp_path, capsys) -> None:
-    path = _train_and_export(tmp_path, _BakedReshape())
+def test_rows_flattened_together_keep_fixed_batch_and_say_why(tmp_path, capsys) -> None:
+    path = _train_and_export(tmp_path, _FlatReshape())
     err = capsys.readouterr().err
     assert "keeps the model's fixed batch size" in err and "at 1 rows instead of 16" in err, err
     m = onnx.load(path)
@@ -155,3 +163,41 @@ def test_any_batch_export_cases() -> None:
                      [vi("y", f, [4, 2])], (shape,))
     kept, why = any_batch_export(expanded)
     assert kept is expanded and "rows instead of 4" in why
+
+
+class _Cnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).view(x.size(0), -1))
+
+
+@pytest.mark.parametrize("dynamo", [extended(True, id="dynamo"), pytest.param(False, id="torchscript")])
+def test_static_cnn_export_takes_any_batch(dynamo: bool) -> None:
+    """A CNN whose flatten torch exports as a Reshape to [16, 144] (allowzero = 1 from dynamo; dynamo's case
+    takes a few seconds: full suite): freed, and onnxruntime at 7 rows gives torch's outputs."""
+    from onnxtrain.train.outputs import any_batch_export
+
+    torch.manual_seed(0)
+    net = _Cnn().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            m = torch.onnx.export(net, (torch.randn(BATCH, 1, 8, 8),), dynamo=True, input_names=["x"],
+                                  output_names=["logits"], verbose=False).model_proto
+        else:
+            buf = io.BytesIO()
+            torch.onnx.export(net, (torch.randn(BATCH, 1, 8, 8),), buf, dynamo=False, input_names=["x"],
+                              output_names=["logits"])
+            m = onnx.load_from_string(buf.getvalue())
+    assert any(n.op_type == "Reshape" for n in m.graph.node)
+    free, why = any_batch_export(m)
+    assert why is None, why
+    onnx.checker.check_model(free, full_check=True)
+    x = np.random.default_rng(1).standard_normal((7, 1, 8, 8)).astype(np.float32)
+    sess = ort.InferenceSession(free.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, net(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-5)
