@@ -91,7 +91,7 @@ def generate(A, c, base, folder):
     A.artifacts.generate_artifacts(onnx.load(base), requires_grad=c["requires_grad"],
                                    frozen_params=c["frozen"] or None, loss=make_loss(A, c["loss"]),
                                    optimizer=make_optimizer(A, c["optimizer"]), artifact_directory=folder,
-                                   additional_output_names=c.get("extra") or None)
+                                   additional_output_names=c.get("extra") or None, nominal_checkpoint=True)
 
 
 def feeds(data, i):
@@ -478,6 +478,36 @@ def edges(A, c, folder, data, out):
     P("two_modules_reset", lambda: [ma.lazy_reset_grad(), mb(*f0), grads_of(st6), ma(*f0), grads_of(st6)])
     ob = A.Optimizer(f["optimizer_model"], mb)
     P("two_modules_step", lambda: [ob.step(), params_of(st6), mb.eval()(*f0), ma(*f0)])
+    ex = c["exports"]
+    # a nominal checkpoint (names and types, no values) until copy_buffer_to_parameters loads them
+    full_buffer = np.asarray(A.Module(f["training_model"], A.CheckpointState.load_checkpoint(ckpt))
+                             .get_contiguous_parameters(False).numpy()).copy()
+    nom = A.CheckpointState.load_checkpoint(os.path.join(folder, "nominal_checkpoint"))
+    P("nominal_len", lambda: len(nom.parameters))
+    P("nominal_contains", lambda: name0 in nom.parameters)
+    P("nominal_iter", lambda: [n for n, _ in nom.parameters])
+    P("nominal_get", lambda: nom.parameters[name0].data)
+    P("nominal_set", lambda: nom.parameters.__setitem__(name0, np.zeros(1, np.float32)))
+    P("nominal_props", lambda: [(k, v) for k, v in nom.properties if not k.startswith("onnxtrain.")])
+    mn = A.Module(f["training_model"], nom, f["eval_model"])
+    P("nominal_names", lambda: [mn.input_names(), mn.output_names()])
+    P("nominal_size", lambda: [mn.get_parameters_size(True), mn.get_parameters_size(False)])
+    P("nominal_contig", lambda: mn.get_contiguous_parameters(False))
+    P("nominal_train", lambda: mn(*f0))
+    P("nominal_eval", lambda: mn.eval()(*f0))
+    mn.train()
+    P("nominal_export", lambda: mn.export_model_for_inferencing(os.path.join(out, "nominal.onnx"), ex[:1]))
+    P("nominal_save", lambda: A.CheckpointState.save_checkpoint(nom, os.path.join(out, "nominal_saved")))
+    P("nominal_saved_len", lambda: len(A.CheckpointState.load_checkpoint(os.path.join(out, "nominal_saved"))
+                                       .parameters))
+    P("nominal_copy_trainable", lambda: mn.copy_buffer_to_parameters(A.buffer(full_buffer[:3].copy()), True))
+    P("nominal_copy_short", lambda: mn.copy_buffer_to_parameters(A.buffer(full_buffer[:3].copy()), False))
+    P("nominal_copy", lambda: mn.copy_buffer_to_parameters(A.buffer(full_buffer), False))
+    P("nominal_loaded", lambda: params_of(nom))
+    P("nominal_grads", lambda: grads_of(nom))
+    on = A.Optimizer(f["optimizer_model"], mn)
+    on.set_learning_rate(0.05)
+    P("nominal_train_step", lambda: [mn(*f0), on.step(), params_of(nom), mn.eval()(*f0)])
     # exports
     ex = c["exports"]
     P("export_pathlib", lambda: m.export_model_for_inferencing(pathlib.Path(out) / "pl.onnx", ex[:1]))

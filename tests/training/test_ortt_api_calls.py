@@ -602,8 +602,8 @@ def test_edge_calls_as_onnxruntime_training(runs, name, side):
     pathlib paths, missing or wrong model files, train(0), learning rates of
     other types, live .data/.grad views, contiguous buffers as copies, 2-D buffers, property numbers at
     their limits and text, saves without an optimizer or as flags of other types, two Optimizers over one
-    Module, two Modules over one state, scheduler arguments, export names as str/tuple/duplicates/inputs/
-    parameters) as 1.19.2."""
+    Module, two Modules over one state, a nominal checkpoint before and after its values are copied in,
+    scheduler arguments, export names as str/tuple/duplicates/inputs/parameters) as 1.19.2."""
     d = os.path.join(runs, name)
     ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}_edges", "ort_edges"))
     assert list(ours) == list(theirs)
