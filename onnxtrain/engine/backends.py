@@ -218,23 +218,38 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
         raise _as_onnxruntime_raised(e, options) from None
 
 
-def _load_failure_classes() -> dict[str, type]:
-    """onnxruntime's exception classes by name → the EngineError that is also onnxtrain's mirror of it."""
-    from onnxtrain import errors
-    from onnxtrain.engine.interface import EngineError
-
-    mirrors = {"InvalidArgument": errors.InvalidArgument, "RuntimeException": errors.RuntimeException,
-               "NoSuchFile": errors.NoSuchFile, "InvalidProtobuf": errors.InvalidProtobuf,
-               "InvalidGraph": errors.InvalidGraph, "NotImplemented": errors.NotImplementedError_,
-               "EPFail": errors.EPFail, "ValueError": errors.FailValueError}
-    # (named as onnxruntime's, as a comparison of class names with onnxruntime's expects)
-    return {name: type("EngineValueError" if name == "ValueError" else name, (EngineError, mirror), {
-        "__module__": __name__,
-        "__doc__": f"onnxruntime refused to load the graph with its {name}: an EngineError and that class."})
-        for name, mirror in mirrors.items()}
+# onnxruntime's exception class (by name) → the name of the EngineError that is also onnxtrain's mirror of
+# it (named as onnxruntime's, as a comparison of class names with onnxruntime's expects)
+_LOAD_FAILURE_NAMES = {"InvalidArgument": "InvalidArgument", "RuntimeException": "RuntimeException",
+                       "NoSuchFile": "NoSuchFile", "InvalidProtobuf": "InvalidProtobuf",
+                       "InvalidGraph": "InvalidGraph", "NotImplemented": "NotImplemented", "EPFail": "EPFail",
+                       "ValueError": "EngineValueError"}
+_LOAD_FAILURES: dict[str, type] = {}  # class name → class, made on first use (the engine's modules load late)
 
 
-_LOAD_FAILURES: dict[str, type] = {}
+def _load_failure(class_name: str) -> type:
+    """The EngineError subclass ``class_name`` of :data:`_LOAD_FAILURE_NAMES` (a module attribute, so that
+    its errors pickle)."""
+    if not _LOAD_FAILURES:
+        from onnxtrain import errors
+        from onnxtrain.engine.interface import EngineError
+
+        mirrors = {"InvalidArgument": errors.InvalidArgument, "RuntimeException": errors.RuntimeException,
+                   "NoSuchFile": errors.NoSuchFile, "InvalidProtobuf": errors.InvalidProtobuf,
+                   "InvalidGraph": errors.InvalidGraph, "NotImplemented": errors.NotImplementedError_,
+                   "EPFail": errors.EPFail, "EngineValueError": errors.FailValueError}
+        for name, mirror in mirrors.items():
+            _LOAD_FAILURES[name] = type(name, (EngineError, mirror), {
+                "__module__": __name__,
+                "__doc__": f"onnxruntime refused to load the graph with its {name}: an EngineError and that "
+                           "class."})
+    return _LOAD_FAILURES[class_name]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOAD_FAILURE_NAMES.values():
+        return _load_failure(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _as_onnxruntime_raised(e: Exception, options: Any) -> Exception:
@@ -251,9 +266,7 @@ def _as_onnxruntime_raised(e: Exception, options: Any) -> Exception:
     name = type(raised).__name__
     if not (module.startswith("onnxruntime") or module == "builtins" and name == "ValueError"):
         return e
-    if not _LOAD_FAILURES:
-        _LOAD_FAILURES.update(_load_failure_classes())
-    cls = _LOAD_FAILURES.get(name, EngineError)
+    cls = _load_failure(_LOAD_FAILURE_NAMES[name]) if name in _LOAD_FAILURE_NAMES else EngineError
     message = str(e)
     from onnxtrain.session_loading import config_entries
 

@@ -15,6 +15,8 @@ caller's entries and refuses none of them (nor session.disable_cpu_ep_fallback =
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as ort_state
@@ -60,6 +62,8 @@ def test_the_onnxruntime_backend_raises_onnxruntimes_class(key: str, value: str,
         onnxtrain.InferenceSession(_model(), ours)
     assert isinstance(got.value, EngineError)  # (as before: code catching onnxtrain's class still does)
     assert key in str(got.value)
+    again = pickle.loads(pickle.dumps(got.value))  # (an error sent to another process: MPI, a pool)
+    assert type(again) is type(got.value) and str(again) == str(got.value)
     capsys.readouterr()  # (onnxruntime's EP Error banners)
 
 
