@@ -353,7 +353,11 @@ class TrainingParameters:
             idle.append("loss_scale has no effect, as in onnxruntime's legacy session: under mixed precision "
                         "the loss scale is the loss_scale input fed to each run (in `onnxtrain train`, the "
                         "value its dynamic loss scaler feeds)")
-        if self.is_set("perform_fp16_allreduce") and v["perform_fp16_allreduce"] and v["use_mixed_precision"]:
+        fp16_allreduce = self.is_set("perform_fp16_allreduce") and v["perform_fp16_allreduce"]
+        if fp16_allreduce and not v["use_mixed_precision"]:
+            idle.append("perform_fp16_allreduce has no effect without use_mixed_precision (the gradients are "
+                        "exchanged in the weights' own type)")
+        elif fp16_allreduce:
             idle.append("perform_fp16_allreduce has no effect: onnxtrain sums the float32 master gradients "
                         "across ranks (as onnxruntime did with False)")
         if (v["propagate_cast_ops_level"] != _DEFAULTS["propagate_cast_ops_level"]

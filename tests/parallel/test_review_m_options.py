@@ -3,16 +3,13 @@ onnxruntime (its ``ConfigureSessionForTraining`` gave it to the optimizer config
 ``do_all_reduce_in_mixed_precision_type``, read only when the graph is mixed precision). Assigned True by
 the caller without ``use_mixed_precision`` it asks for a half-precision exchange that cannot happen (the
 gradients are the weights' own type) and should say so as the other idle options do (``mixed_precision_dtype``
-without mixed precision warns); it is silently taken. Left at its default it must stay silent, and so must an
+without mixed precision warns). Left at its default it must stay silent, and so must an
 assigned False (what onnxtrain does anyway: tests/session/test_parameters.py holds it to no warning).
-The fix belongs to ``TrainingParameters.idle_options`` (onnxtrain/parameters.py, not this reviewer's file):
-hence the strict xfail."""
+``TrainingParameters.idle_options`` now says so."""
 
 from __future__ import annotations
 
 import warnings
-
-import pytest
 
 from onnxtrain import TrainingSession
 from tests.session.helpers import mlp_model, params
@@ -31,9 +28,6 @@ def test_perform_fp16_allreduce_left_alone_or_false_says_nothing() -> None:
     assert _warnings(perform_fp16_allreduce=False) == []
 
 
-@pytest.mark.xfail(strict=True, reason="TrainingParameters.idle_options (onnxtrain/parameters.py) should add "
-                   "'perform_fp16_allreduce has no effect without use_mixed_precision' when the caller "
-                   "assigned it True (is_set) and use_mixed_precision is off")
 def test_perform_fp16_allreduce_assigned_true_without_mixed_precision_warns() -> None:
     got = _warnings(perform_fp16_allreduce=True)
     assert any("perform_fp16_allreduce has no effect without use_mixed_precision" in m for m in got), got
