@@ -393,6 +393,19 @@ def edges(A, c, folder, data, out):
     f0 = feeds(data, 0)
     P("call", lambda: m(*f0))
     grad_held = state.parameters[name0].grad
+    # refused calls, on a state of their own: onnxruntime-training 1.19.2 runs the nodes before the one
+    # that fails (a BatchNormalization's running statistics change), onnxtrain checks the feeds first
+    sr = A.CheckpointState.load_checkpoint(ckpt)
+    mr = A.Module(f["training_model"], sr, f["eval_model"])
+    y0 = f0[1]
+    P("params_before_refusals", lambda: params_of(sr))
+    P("labels_other_dtype", lambda: mr(f0[0], y0.astype(np.int32 if y0.dtype == np.int64 else np.float64)))
+    P("labels_other_batch", lambda: mr(f0[0], y0[:-1]))
+    P("input_other_dims", lambda: mr(f0[0][..., :-1] if f0[0].ndim > 1 else f0[0][:-1], y0))
+    P("input_extra_axis", lambda: mr(f0[0][None], y0))
+    P("eval_other_batch", lambda: mr.eval()(f0[0], y0[:-1]))
+    P("grads_after_refusals", lambda: grads_of(sr))
+    P("params_after_refusals", lambda: params_of(sr))
     P("step", o.step)
     P("data_is_live", lambda: bool(not np.array_equal(held, before)))
     P("data_equals_state", lambda: bool(np.array_equal(held, state.parameters[name0].data)))

@@ -426,26 +426,55 @@ def _INT(v: int) -> dict:  # noqa: N802 - reads as a constructor of the record's
 # the edge calls where onnxtrain differs on purpose, and what it does there
 KNOWN_EDGES = {
     # Module.train(0): 1.19.2 keeps the int in .training (annotated bool there); onnxtrain stores bool(mode)
-    "train_int_mode": lambda a, b: a["ok"]["seq"][0] is False and b["ok"]["seq"][0] == _INT(0),
-    "train_int_mode_1": lambda a, b: a["ok"]["seq"][0] is True and b["ok"]["seq"][0] == _INT(1),
+    "train_int_mode": lambda a, b, ours, theirs: a["ok"]["seq"][0] is False and b["ok"]["seq"][0] == _INT(0),
+    "train_int_mode_1": lambda a, b, ours, theirs: a["ok"]["seq"][0] is True and b["ok"]["seq"][0] == _INT(1),
     # 2**63 does not fit the int64 property: 1.19.2 stores it as the float 9.223372e18 without a word;
     # onnxtrain refuses it naming the property
-    "prop_too_big": lambda a, b: b == {"ok": None} and a["err"] == "ValueError" and "big2" in a["msg"],
-    "props_loaded": lambda a, b: a["ok"]["seq"] == [p for p in b["ok"]["seq"] if p["seq"][0] != "big2"],
+    "prop_too_big": lambda a, b, ours, theirs: b == {"ok": None} and a["err"] == "ValueError"
+    and "big2" in a["msg"],
+    "props_loaded": lambda a, b, ours, theirs: a["ok"]["seq"]
+    == [p for p in b["ok"]["seq"] if p["seq"][0] != "big2"],
     # a path where the state goes: 1.19.2 fails on its private attribute (AttributeError '_state'); a
     # TypeError naming the class here
-    "state_not_a_state": lambda a, b: b["err"] == "AttributeError" and "TypeError" in a["bases"]
+    "state_not_a_state": lambda a, b, ours, theirs: b["err"] == "AttributeError" and "TypeError" in a["bases"]
     and "CheckpointState" in a["msg"],
     # two Modules over one state (README: "Modules built over one CheckpointState share its gradients"):
     # 1.19.2 gives each Module buffers of its own and .grad shows the newest Module's, so the first Module's
     # later call leaves .grad as it was; here it adds to the shared ones. The calls before agree.
-    "two_modules": lambda a, b: _same(a["ok"]["seq"][:3], b["ok"]["seq"][:3])
+    "two_modules": lambda a, b, ours, theirs: _same(a["ok"]["seq"][:3], b["ok"]["seq"][:3])
     and _same(b["ok"]["seq"][4], b["ok"]["seq"][2]) and not _same(a["ok"]["seq"][4], a["ok"]["seq"][2]),
-    "two_modules_reset": lambda a, b: "ok" in a and "ok" in b,
-    "two_modules_step": lambda a, b: "ok" in a and "ok" in b,
+    "two_modules_reset": lambda a, b, ours, theirs: "ok" in a and "ok" in b,
+    "two_modules_step": lambda a, b, ours, theirs: "ok" in a and "ok" in b,
+    # refused training calls leave the state as it was here; 1.19.2 runs the nodes before the failing one
+    # (the loss, for labels of another batch), and a BatchNormalization's running statistics change: a
+    # refused step that moves the state is its fault. Everything else it leaves as well.
+    "params_after_refusals": lambda a, b, ours, theirs: _same(a, ours["params_before_refusals"])
+    and _same(_without_buffers(b), _without_buffers(theirs["params_before_refusals"])),
     # the rate saved with the optimizer state (README): 0.01 here, 1.19.2's default 0.001 there
-    "resumed_two_lr": lambda a, b: np.float32(a["ok"]["float"]) == np.float32(0.01)
+    "resumed_two_lr": lambda a, b, ours, theirs: np.float32(a["ok"]["float"]) == np.float32(0.01)
     and np.float32(b["ok"]["float"]) == np.float32(1e-3),
+}
+
+
+def _without_buffers(value: dict) -> dict:
+    """A recorded parameter list without BatchNormalization's running statistics."""
+    return {"ok": {"seq": [p for p in value["ok"]["seq"] if p["seq"][0] not in ("bn.mean", "bn.var")],
+                   "type": "list"}}
+
+
+def _labels(c: dict) -> str:
+    return "labels" if c["loss"] == "ce" else "target"
+
+
+# what onnxtrain's message of an edge call's refusal must name
+EDGE_MESSAGES = {
+    "labels_other_dtype": _labels, "labels_other_batch": _labels, "eval_other_batch": _labels,
+    "input_other_dims": lambda c: "'input'", "input_extra_axis": lambda c: "'input'",
+    "module_missing_train": lambda c: "none.onnx", "module_missing_eval": lambda c: "none.onnx",
+    "optimizer_missing": lambda c: "none.onnx", "set_lr_str": lambda c: "str", "sched_float_counts":
+    lambda c: "warmup_step_count", "export_str_names": lambda c: "graph_output_names",
+    "device_bad": lambda c: "tpu", "nominal_get": lambda c: c["requires_grad"][0],
+    "nominal_train": lambda c: "nominal", "nominal_copy_trainable": lambda c: "trainable_only",
 }
 
 
@@ -599,6 +628,7 @@ def test_adamw_rounds_as_onnxruntime_trainings_kernel(runs, name):
 @pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
 def test_edge_calls_as_onnxruntime_training(runs, name, side):
     """Argument types and edge uses (devices, session options, keyword arguments, a path for the state,
+    labels of another dtype or batch, inputs of other dims or rank,
     pathlib paths, missing or wrong model files, train(0), learning rates of
     other types, live .data/.grad views, contiguous buffers as copies, 2-D buffers, property numbers at
     their limits and text, saves without an optimizer or as flags of other types, two Optimizers over one
@@ -607,12 +637,16 @@ def test_edge_calls_as_onnxruntime_training(runs, name, side):
     d = os.path.join(runs, name)
     ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}_edges", "ort_edges"))
     assert list(ours) == list(theirs)
+    if name == "bn":  # (1.19.2's refused step moved the running statistics; see KNOWN_EDGES)
+        assert not _same(theirs["params_after_refusals"], theirs["params_before_refusals"])
     for key, b in theirs.items():
         a = ours[key]
         if key in KNOWN_EDGES:
-            assert KNOWN_EDGES[key](a, b), (key, a, b)
+            assert KNOWN_EDGES[key](a, b, ours, theirs), (key, a, b)
         elif "err" in b:
             assert "err" in a and set(b["bases"]) <= set(a["bases"]), (key, a, b)
+            if key in EDGE_MESSAGES:
+                assert EDGE_MESSAGES[key](CASES[name]) in a["msg"], (key, a["msg"])
         else:
             assert "ok" in a, (key, a, b)
             assert_same(_unwrap(a["ok"]), _unwrap(b["ok"]), f"{name} {key}")
