@@ -68,6 +68,7 @@ from onnxtrain.session_loading import (
     refuse_disabled_cpu_fallback,
     supplied_arrays,
     warn_config_not_applied,
+    warn_options_model_config_drops,
 )
 from onnxtrain.session_profiling import end_profiling, profile_session_start
 from onnxtrain.user_warning import warn
@@ -394,6 +395,7 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
         if model_config_asked():  # (onnxruntime's switch)
+            warn_options_model_config_drops(self._sess_options, model)
             self._sess_options = options_from_model(self._sess_options, model)
         model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
         self._same_size = same_size_dims(model)

@@ -184,6 +184,54 @@ def options_from_model(options: Any, model: onnx.ModelProto) -> Any:
     return options
 
 
+# the SessionOptions fields onnxruntime 1.32 drops with ORT_LOAD_CONFIG_FROM_MODEL=1 (it makes the session
+# with default options and the model's ort_config) that change what an onnxtrain session computes or writes
+# (the numpy engine fuses nothing at ORT_DISABLE_ALL; the others write files); thread counts, logging and
+# memory options are dropped too, and change neither
+_DROPPED_FIELDS = ("graph_optimization_level", "enable_profiling", "profile_file_prefix",
+                   "optimized_model_filepath")
+# the onnxruntime session config entries that change what an onnxtrain session loads or writes (the others
+# it does not apply: onnxruntime dropping them makes no difference)
+_ENTRIES_READ = (_DATA_FILE, _DATA_MIN_BYTES, "session.model_external_initializers_file_folder_path")
+
+
+def _plain(value: Any) -> Any:
+    """A field's value comparable across onnxtrain's and onnxruntime's enums (an enum by its name)."""
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else value
+
+
+def warn_options_model_config_drops(options: Any, model: onnx.ModelProto) -> None:
+    """With ORT_LOAD_CONFIG_FROM_MODEL=1 onnxruntime 1.32 makes the session with default options and those of
+    the model's ``ort_config`` only: every field, config entry, initializer and free dimension override the
+    caller set is dropped (checked: an add_initializer weight is not used, optimized_model_filepath is not
+    written). onnxtrain keeps the caller's (the model's ``ort_config`` over them): warn naming those
+    onnxruntime would drop that change what onnxtrain computes, loads or writes, so that a difference of
+    values or files is not silent."""
+    text = next((p.value for p in model.metadata_props if p.key == "ort_config"), None)
+    try:
+        config = json.loads(text) if text is not None else {}
+        from_model = set(config.get("session_options", {})) if isinstance(config, dict) else set()
+    except (ValueError, TypeError, AttributeError):
+        from_model = set()  # (options_from_model refuses it)
+    defaults = SessionOptions()
+    dropped = []
+    for key in _DROPPED_FIELDS:
+        value = getattr(options, key, getattr(defaults, key))
+        default = getattr(defaults, key)
+        if key not in from_model and _plain(value) != _plain(default):
+            dropped.append(key)
+    dropped += [f"config entry {k}" for k in config_entries(options) if k in _ENTRIES_READ]
+    for attr, what in (("_initializers", "add_initializer"), ("_dims", "free dimension overrides"),
+                       ("_files_in_memory", "add_external_initializers_from_files_in_memory")):
+        if getattr(options, attr, None):
+            dropped.append(what)
+    if dropped:
+        warn(f"ORT_LOAD_CONFIG_FROM_MODEL=1: onnxruntime makes the session with default options and the "
+             f"model's ort_config only, dropping the SessionOptions' {', '.join(dropped)}; onnxtrain applies "
+             "them (the model's ort_config over them), so its values or files may differ from onnxruntime's")
+
+
 def check_severity(level: Any, owner: str) -> None:
     """Refuse a ``log_severity_level`` onnxruntime refuses: −1 (the default logger's) and 0..4 are valid."""
     if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:
