@@ -385,6 +385,10 @@ def edges(A, c, folder, data, out):
     P("set_lr_str", lambda: o.set_learning_rate("0.1"))
     P("set_lr_none", lambda: o.set_learning_rate(None))
     P("set_lr_array", lambda: o.set_learning_rate(np.array([0.1], np.float32)))
+    P("set_lr_inf", lambda: [o.set_learning_rate(float("inf")), o.get_learning_rate()])
+    P("set_lr_nan", lambda: [o.set_learning_rate(float("nan")), str(o.get_learning_rate())])
+    P("set_lr_huge", lambda: [o.set_learning_rate(1e39), o.get_learning_rate()])
+    P("set_lr_tiny", lambda: [o.set_learning_rate(1e-46), o.get_learning_rate()])
     P("lr_after_bad", o.get_learning_rate)
     o.set_learning_rate(0.05)
     name0 = c["requires_grad"][0]
@@ -461,7 +465,9 @@ def edges(A, c, folder, data, out):
     P("resumed_two", lambda: [m2(*f0), o3.step(), params_of(st3)])
     # the scheduler's arguments
     for key, args in (("sched_negative", (-1, 5, 0.1)), ("sched_float_counts", (1.0, 5.0, 0.1)),
-                      ("sched_int_lr", (1, 5, 1)), ("sched_str_lr", (1, 5, "0.1"))):
+                      ("sched_int_lr", (1, 5, 1)), ("sched_str_lr", (1, 5, "0.1")),
+                      ("sched_zero_lr", (0, 5, 0.0)), ("sched_negative_lr", (0, 5, -0.1)),
+                      ("sched_nan_lr", (0, 5, float("nan"))), ("sched_huge_lr", (0, 5, 1e39))):
         P(key, lambda: [A.scheduler(o, *args) is not None, o.get_learning_rate()])
     # a reset then a step without a training call (the old gradients apply); a scheduler made after steps
     # and over a restored step count; a save right after the Optimizer is made
@@ -521,6 +527,10 @@ def edges(A, c, folder, data, out):
     on = A.Optimizer(f["optimizer_model"], mn)
     on.set_learning_rate(0.05)
     P("nominal_train_step", lambda: [mn(*f0), on.step(), params_of(nom), mn.eval()(*f0)])
+    # a rate past float32 at step 0 of a warm-up (inf * 0), on an Optimizer that has not stepped
+    o7 = A.Optimizer(f["optimizer_model"],
+                     A.Module(f["training_model"], A.CheckpointState.load_checkpoint(ckpt)))
+    P("sched_huge_lr_warmup", lambda: [A.scheduler(o7, 2, 5, 1e39) is not None, str(o7.get_learning_rate())])
     # exports
     ex = c["exports"]
     P("export_pathlib", lambda: m.export_model_for_inferencing(pathlib.Path(out) / "pl.onnx", ex[:1]))

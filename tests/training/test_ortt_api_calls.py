@@ -678,3 +678,35 @@ def test_exported_models_as_onnxruntime_trainings(runs, name, side):
             assert (ia, oa) == (ib, ob), (f, ia, oa, ib, ob)
             for x, y, n in zip(va, vb, ob):
                 np.testing.assert_allclose(x, y, atol=ATOL, rtol=RTOL, err_msg=f"{name} {f} {n}")
+
+
+def test_a_learning_rate_past_float32_is_infinite_without_a_numpy_warning(runs):
+    """set_learning_rate(1e39) and LinearLRScheduler(initial_lr=1e39) store +inf, as 1.19.2 does without a
+    word (its edge record; NaN at a warm-up's step 0, inf * 0); onnxtrain let numpy's "overflow encountered
+    in cast" (and "invalid value encountered in multiply") RuntimeWarnings out of its float32 arithmetic."""
+    import warnings
+
+    theirs = _read(os.path.join(runs, "mlp", "ort_edges", "record.json"))
+    assert theirs["set_lr_huge"]["ok"]["seq"][1]["float"] == float("inf")
+    assert theirs["sched_huge_lr"]["ok"]["seq"][1]["float"] == float("inf")
+    assert theirs["sched_huge_lr_warmup"]["ok"]["seq"][1] == "nan"  # inf * 0 at step 0 of a warm-up
+    A = onnxtrain_api()
+    folder = os.path.join(runs, "mlp", "ours")
+
+    def optimizer():
+        state = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+        return A.Optimizer(os.path.join(folder, "optimizer_model.onnx"),
+                           A.Module(os.path.join(folder, "training_model.onnx"), state))
+
+    opt = optimizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.set_learning_rate(1e39)
+        assert opt.get_learning_rate() == float("inf")
+        A.scheduler(opt, 0, 5, 1e39)
+        assert opt.get_learning_rate() == float("inf")
+        opt = optimizer()
+        A.scheduler(opt, 2, 5, 1e39)
+        assert np.isnan(opt.get_learning_rate())
+        opt.set_learning_rate(-1e39)
+        assert opt.get_learning_rate() == float("-inf")

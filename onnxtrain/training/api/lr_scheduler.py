@@ -63,7 +63,8 @@ class LinearLRScheduler:
         """Recompute the learning rate from the optimizer's completed steps (advances nothing itself)."""
         opt = self._optimizer
         factor = linear_factor(opt.step_count, self.warmup_step_count, self.total_step_count)
-        opt.set_learning_rate(float(np.float32(opt._initial_lr) * np.float32(factor)))
+        with np.errstate(invalid="ignore"):  # an infinite initial rate times a factor 0 is NaN, as there
+            opt.set_learning_rate(float(np.float32(opt._initial_lr) * np.float32(factor)))
 
     def get_learning_rate(self) -> float:
         """The optimizer's current learning rate."""

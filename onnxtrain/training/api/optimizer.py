@@ -85,7 +85,8 @@ def learning_rate_value(lr: Any) -> float:
         lr = lr.reshape(()).item()
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
         raise TypeError(f"the learning rate must be a float, got {type(lr).__name__}")
-    return float(np.float32(lr))
+    with np.errstate(over="ignore"):  # past float32's range: ±inf, as onnxruntime's float argument, silently
+        return float(np.float32(lr))
 
 
 def _io_record(model: Any) -> dict[str, Any] | None:
