@@ -374,6 +374,11 @@ def edges(A, c, folder, data, out):
     P("train_int_mode", lambda: [m.train(0).training, m.input_names(), m.output_names()])
     P("train_int_mode_1", lambda: [m.train(1).training, m.input_names()])
     m.train()
+    # the attribute set directly, as a user of torch's nn.Module might
+    P("training_attribute", lambda: [setattr(m, "training", False), m.input_names(), m.output_names(),
+                                     m(*feeds(data, 0)), grads_of(state)])
+    m.training = True
+    P("training_attribute_back", lambda: [m.input_names(), m(*feeds(data, 0)), grads_of(state)])
     P("optimizer_missing", lambda: A.Optimizer(os.path.join(out, "none.onnx"), m))
     P("optimizer_is_training_model", lambda: A.Optimizer(f["training_model"], m))
     o = A.Optimizer(pathlib.Path(f["optimizer_model"]), m)
