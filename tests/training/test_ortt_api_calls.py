@@ -1,8 +1,8 @@
 """The on-device API, call by call, against onnxruntime-training 1.19.2.
 
 Small models (an MLP, a conv net, an MLP with a frozen weight, a linear layer with a BatchNormalization
-whose running statistics are frozen buffers, an MLP with two additional outputs, an embedding of int64
-indices) get their artifacts from each
+whose running statistics are frozen buffers, an MLP with two additional outputs, one whose bias is neither
+trained nor frozen (a constant of the models), an embedding of int64 indices) get their artifacts from each
 project's ``generate_artifacts``; the same call sequence (``tests/training/ortt_api_driver.py``) runs on
 
 * onnxruntime-training's artifacts in onnxruntime-training (the oracle),
@@ -97,6 +97,8 @@ CASES = {
                    requires_grad=["fc1.bias", "fc2.weight", "fc2.bias"], exports=["output", "b"]),
     "bn": dict(model=bn_net, loss="mse", optimizer=["sgd"], frozen=["bn.mean", "bn.var"],
                requires_grad=["fc.weight", "bn.scale", "bn.bias"], exports=["output", "h"]),
+    "constant": dict(model=small_mlp, loss="ce", optimizer=["sgd"], frozen=["fc1.weight"],  # fc2.bias stays
+                     requires_grad=["fc1.bias", "fc2.weight"], exports=["output", "c"]),
     "outputs": dict(model=small_mlp, loss="mse", optimizer=["adamw"], frozen=[], extra=["c", "output"],
                     requires_grad=["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
                     exports=["c", "output"]),
