@@ -593,8 +593,9 @@ def test_optimizer_updates_as_onnxruntime_training(runs, name, side):
     """AdamW (defaults, no bias correction, other betas/eps, weight decay, clipping) and SGD (clipping too)
     over 20 train-and-step rounds of a model whose gradients are the same bits in any graph: SGD bit for
     bit; AdamW's first update (same weights, gradients, zero moments) within 1 ulp and 20 updates within
-    1e-5 (1.19.2's CPU kernel takes an approximate square root: its own result is a few ulps off the exact
-    one, so bits cannot be matched; the rest of the gap is the xfail below)."""
+    1e-5 (1.19.2's CPU kernel's square root looks approximate: where its first update differs from a
+    float32 computation of its own formula, a square root 1 ulp higher gives its value; so bits cannot be
+    matched everywhere; the rest of the gap is the xfail below)."""
     _same_saved_optimizer_state(os.path.join(runs, name), side)
     if name.startswith("sgd"):
         assert _worst_ulps(runs, name, side, range(STEPS)) == 0
@@ -613,15 +614,13 @@ def test_optimizer_updates_as_onnxruntime_training(runs, name, side):
     "CPU kernel: it computes the bias-corrected rate in float64, lr*sqrt(1-b2^t)/(1-b1^t), where the "
     "kernel takes c = 1.f - (float)pow(b, t) and lr*(sqrtf(c2)/c1) in float32 (1 - 0.999^2 cancels: the "
     "rates differ by ~1e-5 relative); it updates lr_t*(m/denom) where the kernel does (lr_t*m)/denom; it "
-    "decays "
-    "p*(1 - lr*wd) where the kernel does p - (lr*wd)*p. Fix in AdamW.prepare/update (flat_update builds its "
-    "model from the block, and the ort_artifacts translation uses the block, so both follow); with it "
-    "(tried in a worktree) the default AdamW and the weight-decay case stay within 1 ulp of 1.19.2 over "
-    "20 steps, from 17 and 30 ulps now"))
+    "decays p*(1 - lr*wd) where the kernel does p - (lr*wd)*p. Fix in AdamW.prepare/update (flat_update "
+    "builds its model from the block, and the ort_artifacts translation uses the block, so both follow); "
+    "with it (tried in a worktree) the default AdamW and the weight-decay case stay within 1 ulp of "
+    "1.19.2 over 20 steps, from 17 and 30 ulps now"))
 @pytest.mark.parametrize("name", _tiered(["adamw", "decay"], DEFAULT_OPTIMIZERS))
 def test_adamw_rounds_as_onnxruntime_trainings_kernel(runs, name):
-    """20 AdamW updates within 2 ulps of onnxruntime-training 1.19.2's (its approximate square root leaves
-    1 ulp)."""
+    """20 AdamW updates within 2 ulps of onnxruntime-training 1.19.2's (its square root leaves 1 ulp)."""
     assert _worst_ulps(runs, name, "theirs", range(STEPS)) <= 2
     assert _worst_ulps(runs, name, "ours", range(STEPS)) <= 2
 
