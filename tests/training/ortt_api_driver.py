@@ -452,6 +452,10 @@ def edges(A, c, folder, data, out):
     P("load_saved_without_optimizer",
       lambda: params_of(A.CheckpointState.load_checkpoint(os.path.join(out, "noopt"))))
     P("save_pathlib", lambda: A.CheckpointState.save_checkpoint(state, pathlib.Path(out) / "pl_ckpt", True))
+    P("save_to_folder", lambda: A.CheckpointState.save_checkpoint(state, out))
+    pl_ckpt = os.path.join(out, "pl_ckpt")
+    P("save_over_file", lambda: [A.CheckpointState.save_checkpoint(state, pl_ckpt),
+                                 len(A.CheckpointState.load_checkpoint(pl_ckpt).parameters)])
     P("save_flag_int", lambda: A.CheckpointState.save_checkpoint(state, os.path.join(out, "int_ckpt"), 1))
     # two Optimizers over one Module: their step counts and rates
     o2 = A.Optimizer(f["optimizer_model"], m)

@@ -475,7 +475,8 @@ EDGE_MESSAGES = {
     "module_missing_train": lambda c: "none.onnx", "module_missing_eval": lambda c: "none.onnx",
     "optimizer_missing": lambda c: "none.onnx", "set_lr_str": lambda c: "str", "sched_float_counts":
     lambda c: "warmup_step_count", "export_str_names": lambda c: "graph_output_names",
-    "device_bad": lambda c: "tpu", "nominal_get": lambda c: c["requires_grad"][0],
+    "device_bad": lambda c: "tpu", "save_to_folder": lambda c: "directory",
+    "nominal_get": lambda c: c["requires_grad"][0],
     "nominal_train": lambda c: "nominal", "nominal_copy_trainable": lambda c: "trainable_only",
 }
 
