@@ -550,4 +550,56 @@ def edges(A, c, folder, data, out):
     P("export_input_name", lambda: m.export_model_for_inferencing(os.path.join(out, "inp.onnx"), ["input"]))
     P("export_param_name", lambda: m.export_model_for_inferencing(os.path.join(out, "par.onnx"), [name0]))
     return rec
+
+
+def sequence(A, c, folder, data, out, ops):
+    """A drawn sequence of calls (``ops``, made by the test: the same in both processes) on one state."""
+    rec = {}
+    P = lambda key, fn: probe(rec, key, fn)  # noqa: E731
+    f = paths(folder)
+    ckpt = os.path.join(folder, "checkpoint")
+    st = A.CheckpointState.load_checkpoint(ckpt)
+    m = A.Module(f["training_model"], st, f["eval_model"])
+    o = A.Optimizer(f["optimizer_model"], m)
+    sched = None
+    for k, op in enumerate(ops):
+        what, key = op[0], f"{k}_{op[0]}"
+        if what in ("train", "eval"):
+            (m.train() if what == "train" else m.eval())
+            P(key, lambda: m(*feeds(data, op[1])))
+        elif what == "reset":
+            P(key, m.lazy_reset_grad)
+        elif what == "step":
+            P(key, lambda: [o.step(), params_of(st)])
+        elif what == "lr":
+            P(key, lambda: [o.set_learning_rate(op[1]), o.get_learning_rate()])
+        elif what == "grads":
+            P(key, lambda: grads_of(st))
+        elif what == "contig":
+            P(key, lambda: [m.get_contiguous_parameters(op[1]), m.get_parameters_size(op[1])])
+        elif what == "copy":
+            buf = np.asarray(m.get_contiguous_parameters(op[1]).numpy())
+            buf = np.ascontiguousarray(buf * np.float32(op[2]))
+            P(key, lambda: [m.copy_buffer_to_parameters(A.buffer(buf), op[1]), params_of(st)])
+        elif what == "set":
+            name = c["requires_grad"][op[1] % len(c["requires_grad"])]
+            P(key, lambda: [st.parameters.__setitem__(name, st.parameters[name].data * np.float32(op[2])),
+                            params_of(st)])
+        elif what == "sched":
+            sched = probe(rec, key, lambda: A.scheduler(o, op[1], op[2], op[3]))
+            P(key + "_lr", o.get_learning_rate)
+        elif what == "sched_step" and sched is not None:
+            P(key, lambda: [sched.step(), o.get_learning_rate()])
+        elif what == "reload":  # saved with the optimizer state, then a new state, Module and Optimizer
+            path = os.path.join(out, f"seq{k}")
+            A.CheckpointState.save_checkpoint(st, path, True)
+            lr = o.get_learning_rate()
+            st = A.CheckpointState.load_checkpoint(path)
+            m = A.Module(f["training_model"], st, f["eval_model"])
+            o = A.Optimizer(f["optimizer_model"], m)
+            o.set_learning_rate(lr)  # (onnxtrain resumes the saved rate, onnxruntime-training 0.001)
+            sched = None
+            P(key, lambda: [params_of(st), m.input_names(), o.get_learning_rate()])
+    P("final", lambda: params_of(st))
+    return rec
 '''

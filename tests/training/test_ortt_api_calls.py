@@ -159,6 +159,8 @@ for job in jobs:
             rec = schedules(A, job["case"], job["folder"], data, [tuple(t) for t in job["cases"]])
         elif job["kind"] == "edges":
             rec = edges(A, job["case"], job["folder"], data, job["out"])
+        elif job["kind"] == "sequence":
+            rec = sequence(A, job["case"], job["folder"], data, job["out"], job["ops"])
         elif job["kind"] == "continue":
             rec = continue_from(A, job["case"], job["folder"], job["checkpoint"], data)
         else:
@@ -217,8 +219,37 @@ SIDES = ("theirs", "ours")  # onnxtrain on onnxruntime-training's artifacts, on 
 DEFAULT_CASES, DEFAULT_OPTIMIZERS = ("mlp", "bn"), ("adamw", "sgd")
 
 
+SEQUENCE_SEEDS, DEFAULT_SEQUENCE_SEEDS = range(8), (0,)
+
+
+def draw_ops(seed: int, n: int = 40) -> list:
+    """A seeded sequence of calls for the driver's ``sequence``: training and eval calls, resets, steps,
+    learning rates, gradient reads, buffers and copies, parameter sets, a scheduler and its steps, reloads."""
+    rng = np.random.default_rng(1000 + seed)
+    kinds = ["train"] * 6 + ["eval"] * 2 + ["reset", "step", "step", "grads", "lr", "contig", "copy", "set",
+                                              "sched", "sched_step", "sched_step", "reload"]
+    ops = []
+    for _ in range(n):
+        k = kinds[int(rng.integers(len(kinds)))]
+        if k in ("train", "eval"):
+            ops.append([k, int(rng.integers(4))])
+        elif k == "lr":
+            ops.append([k, float(rng.choice([0.0, 0.01, 0.05, 0.2]))])
+        elif k == "contig":
+            ops.append([k, bool(rng.integers(2))])
+        elif k in ("copy", "set"):
+            ops.append([k, bool(rng.integers(2)) if k == "copy" else int(rng.integers(8)),
+                        float(rng.choice([0.5, 0.9, 1.1]))])
+        elif k == "sched":
+            total = int(rng.integers(0, 8))
+            ops.append([k, int(rng.integers(0, total + 2)), total, float(rng.choice([0.01, 0.1]))])
+        else:
+            ops.append([k])
+    return ops
+
+
 def _tiered(names, default) -> list:
-    return [n if n in default else extended(n, id=n) for n in names]
+    return [n if n in default else extended(n, id=str(n)) for n in names]
 
 
 def _elementwise_data() -> dict[str, np.ndarray]:
@@ -275,6 +306,14 @@ def runs(tmp_path_factory) -> str:
             _write(os.path.join(d, "ot_ours_edges", "record.json"),
                    _NS["edges"](A, case, os.path.join(d, "ours"), data, os.path.join(d, "ot_ours_edges")))
             jobs.append({**common, "kind": "edges", "out": os.path.join(d, "ort_edges")})
+            for seed in _sequence_seeds():
+                for who in ("ours",):
+                    out = os.path.join(d, f"ot_{who}_seq{seed}")
+                    os.makedirs(out)
+                    _write(os.path.join(out, "record.json"),
+                           _NS["sequence"](A, case, os.path.join(d, who), data, out, draw_ops(seed)))
+                jobs.append({**common, "kind": "sequence", "ops": draw_ops(seed),
+                             "out": os.path.join(d, f"ort_seq{seed}")})
             for who, ckpt in (("ours", os.path.join(d, "ot_ours", "ckpt_opt")),
                               ("theirs", os.path.join(d, "ort", "ckpt_opt"))):
                 jobs.append({**common, "kind": "continue", "checkpoint": ckpt,
@@ -287,6 +326,11 @@ def runs(tmp_path_factory) -> str:
         _write(os.path.join(d, "ot_theirs", "record.json"),
                _run(A, case, kind, os.path.join(d, "theirs"), data, os.path.join(d, "ot_theirs")))
         if kind == "scenario":
+            for seed in _sequence_seeds():
+                out = os.path.join(d, f"ot_theirs_seq{seed}")
+                os.makedirs(out)
+                _write(os.path.join(out, "record.json"),
+                       _NS["sequence"](A, case, os.path.join(d, "theirs"), data, out, draw_ops(seed)))
             os.makedirs(os.path.join(d, "ot_theirs_edges"))
             _write(os.path.join(d, "ot_theirs_edges", "record.json"),
                    _NS["edges"](A, case, os.path.join(d, "theirs"), data, os.path.join(d, "ot_theirs_edges")))
@@ -296,6 +340,10 @@ def runs(tmp_path_factory) -> str:
                 _write(os.path.join(d, f"ot_from_{who}", "record.json"),
                        _NS["continue_from"](A, case, os.path.join(d, "theirs"), ckpt, data))
     return root
+
+
+def _sequence_seeds() -> list[int]:
+    return list(SEQUENCE_SEEDS if full() else DEFAULT_SEQUENCE_SEEDS)
 
 
 def _run(A, case: dict, kind: str, folder: str, data: dict, out: str) -> dict:
@@ -712,3 +760,22 @@ def test_a_learning_rate_past_float32_is_infinite_without_a_numpy_warning(runs):
         assert np.isnan(opt.get_learning_rate())
         opt.set_learning_rate(-1e39)
         assert opt.get_learning_rate() == float("-inf")
+
+
+@pytest.mark.parametrize("seed", _tiered(SEQUENCE_SEEDS, DEFAULT_SEQUENCE_SEEDS))
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
+def test_drawn_call_sequences_as_onnxruntime_training(runs, name, side, seed):
+    """40 calls drawn at random (train/eval calls, resets, steps, rates, gradients, buffers and copies,
+    parameter sets, a scheduler and its steps, save-and-reload) on one state give 1.19.2's values."""
+    d = os.path.join(runs, name)
+    ours, theirs = (_read(os.path.join(d, f, "record.json"))
+                    for f in (f"ot_{side}_seq{seed}", f"ort_seq{seed}"))
+    assert list(ours) == list(theirs)
+    for key, b in theirs.items():
+        a = ours[key]
+        if "err" in b:
+            assert "err" in a and set(b["bases"]) <= set(a["bases"]), (key, a, b)
+        else:
+            assert "ok" in a, (key, a, b)
+            assert_same(_unwrap(a["ok"]), _unwrap(b["ok"]), f"{name} seed {seed}: {key}")
