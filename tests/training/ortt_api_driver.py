@@ -4,7 +4,8 @@
 its own (``tests/ortt.py``); ``A`` is a namespace with ``artifacts``, ``onnxblock``, ``CheckpointState``,
 ``Module``, ``Optimizer``, ``scheduler(o, warmup, total, lr)`` (in the documented argument order),
 ``buffer(array)`` (what ``copy_buffer_to_parameters`` takes), ``ortvalue(array)``,
-``onnxruntime_ortvalue(array)`` (an OrtValue of onnxruntime's class) and ``SessionOptions``. Every call
+``onnxruntime_ortvalue(array)`` (an OrtValue of onnxruntime's class), ``SessionOptions`` and
+``run_model(path, feeds)`` (an exported model's outputs by that process's onnxruntime). Every call
 is made through ``probe``, which records its value (arrays as lists with dtype and shape) or its exception
 (class, the built-in exception classes it derives from, message), so that the two records can be compared
 key by key.
@@ -590,6 +591,10 @@ def sequence(A, c, folder, data, out, ops):
             P(key + "_lr", o.get_learning_rate)
         elif what == "sched_step" and sched is not None:
             P(key, lambda: [sched.step(), o.get_learning_rate()])
+        elif what == "export":  # the inference model now, run by onnxruntime on the batch's input
+            path = os.path.join(out, f"seq{k}.onnx")
+            P(key, lambda: [m.export_model_for_inferencing(path, c["exports"]),
+                            A.run_model(path, {"input": feeds(data, op[1])[0]})])
         elif what == "reload":  # saved with the optimizer state, then a new state, Module and Optimizer
             path = os.path.join(out, f"seq{k}")
             A.CheckpointState.save_checkpoint(st, path, True)

@@ -136,6 +136,11 @@ from onnxruntime import OrtValue, SessionOptions
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
+def run_model(path, feeds):
+    import onnxruntime
+    return onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
 A = types.SimpleNamespace(
     artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
     Optimizer=Optimizer,
@@ -143,7 +148,7 @@ A = types.SimpleNamespace(
     scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr),
     buffer=lambda a: OrtValue.ortvalue_from_numpy(a)._ortvalue,
     ortvalue=OrtValue.ortvalue_from_numpy, onnxruntime_ortvalue=OrtValue.ortvalue_from_numpy,
-    SessionOptions=SessionOptions)
+    SessionOptions=SessionOptions, run_model=run_model)
 with open(sys.argv[1]) as f:
     jobs = json.load(f)
 done = {}
@@ -189,7 +194,9 @@ def onnxtrain_api() -> types.SimpleNamespace:
         artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
         Optimizer=Optimizer, scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr),
         buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy,
-        onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy, SessionOptions=SessionOptions)
+        onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy, SessionOptions=SessionOptions,
+        run_model=lambda path, feeds: onnxruntime.InferenceSession(
+            path, providers=["CPUExecutionProvider"]).run(None, feeds))
 
 
 def lowered(folder: str) -> None:
@@ -224,14 +231,15 @@ SEQUENCE_SEEDS, DEFAULT_SEQUENCE_SEEDS = range(8), (0,)
 
 def draw_ops(seed: int, n: int = 40) -> list:
     """A seeded sequence of calls for the driver's ``sequence``: training and eval calls, resets, steps,
-    learning rates, gradient reads, buffers and copies, parameter sets, a scheduler and its steps, reloads."""
+    learning rates, gradient reads, buffers and copies, parameter sets, a scheduler and its steps, reloads,
+    exports (run by onnxruntime)."""
     rng = np.random.default_rng(1000 + seed)
     kinds = ["train"] * 6 + ["eval"] * 2 + ["reset", "step", "step", "grads", "lr", "contig", "copy", "set",
-                                              "sched", "sched_step", "sched_step", "reload"]
+                                              "sched", "sched_step", "sched_step", "reload", "export"]
     ops = []
     for _ in range(n):
         k = kinds[int(rng.integers(len(kinds)))]
-        if k in ("train", "eval"):
+        if k in ("train", "eval", "export"):
             ops.append([k, int(rng.integers(4))])
         elif k == "lr":
             ops.append([k, float(rng.choice([0.0, 0.01, 0.05, 0.2]))])
@@ -767,7 +775,8 @@ def test_a_learning_rate_past_float32_is_infinite_without_a_numpy_warning(runs):
 @pytest.mark.parametrize("name", _tiered(CASES, DEFAULT_CASES))
 def test_drawn_call_sequences_as_onnxruntime_training(runs, name, side, seed):
     """40 calls drawn at random (train/eval calls, resets, steps, rates, gradients, buffers and copies,
-    parameter sets, a scheduler and its steps, save-and-reload) on one state give 1.19.2's values."""
+    parameter sets, a scheduler and its steps, save-and-reload, exports run by onnxruntime) on one state give
+    1.19.2's values."""
     d = os.path.join(runs, name)
     ours, theirs = (_read(os.path.join(d, f, "record.json"))
                     for f in (f"ot_{side}_seq{seed}", f"ort_seq{seed}"))
