@@ -50,6 +50,7 @@ from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.optim.base import compute_type
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
+from onnxtrain.version import PRODUCER
 
 BFLOAT16 = np_dtype(TensorProto.BFLOAT16)
 
@@ -390,7 +391,7 @@ def _finish(
         keep, name, list(inputs), outputs, initializer=[t for t in base.graph.initializer if t.name in used]
     )
     m = helper.make_model(
-        g, opset_imports=list(base.opset_import), producer_name="onnxtrain", ir_version=base.ir_version
+        g, opset_imports=list(base.opset_import), **PRODUCER, ir_version=base.ir_version
     )
     return m
 

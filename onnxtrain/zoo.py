@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.ir.builder import make_model
 from onnxtrain.ir.large import check_model_arrays
 from onnxtrain.ir.stream import array_raw, elem_type
+from onnxtrain.version import PRODUCER
 
 OPSET = 17
 _DRAW_CHUNK = 1 << 18  # the values :meth:`_Graph.normal` draws at a time
@@ -107,7 +108,7 @@ class _Graph:
             inputs = [*inputs, helper.make_tensor_value_info("y", TensorProto.INT64, labels_shape)]
             outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
         graph = helper.make_graph(self.nodes, name, inputs, outputs)
-        model = make_model(graph, OPSET, producer_name="onnxtrain")
+        model = make_model(graph, OPSET, **PRODUCER)
         check_model_arrays(model, self.inits)
         self.inits.reverse()
         while self.inits:  # each value held once: an array until it is the bytes of the model's tensor

@@ -50,6 +50,7 @@ from onnxtrain.ir.graphs import (
     path_to,
     rename_values,
 )
+from onnxtrain.version import PRODUCER
 
 
 def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeProto, int]],
@@ -696,7 +697,7 @@ def build_gradient_model(
     keep = _live_nodes(nodes, [o.name for o in outs])
     result = helper.make_model(
         helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs),
-        opset_imports=list(model.opset_import), producer_name="onnxtrain", ir_version=model.ir_version,
+        opset_imports=list(model.opset_import), **PRODUCER, ir_version=model.ir_version,
     )
     result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)

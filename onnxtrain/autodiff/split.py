@@ -20,6 +20,7 @@ from onnx import helper
 
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import RANDOM_OPS, node_reads
+from onnxtrain.version import PRODUCER
 
 
 def split_gradient_model(
@@ -118,7 +119,7 @@ def _model(
         nodes, name, inputs, outputs, initializer=[t for t in base.graph.initializer if t.name in reads]
     )
     m = helper.make_model(
-        graph, opset_imports=list(base.opset_import), producer_name="onnxtrain", ir_version=base.ir_version
+        graph, opset_imports=list(base.opset_import), **PRODUCER, ir_version=base.ir_version
     )
     m.functions.extend(base.functions)
     return m

@@ -13,6 +13,7 @@ from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.ir.builder import unknown_versions
 from onnxtrain.ir.large import check_model_full
 from onnxtrain.training.onnxblock.model_accessor import BlockError
+from onnxtrain.version import PRODUCER
 
 LOSS_SCALE = mp_pass.LOSS_SCALE
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
@@ -50,7 +51,7 @@ def finish_model(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
     out = helper.make_model(
         m.graph,
         opset_imports=opsets,
-        producer_name="onnxtrain",
+        **PRODUCER,
         ir_version=max(helper.find_min_ir_version_for(opsets, True), 3),
     )
     out.functions.extend(m.functions)

@@ -95,8 +95,6 @@ def test_exported_model_runs_at_its_batch_in_onnxruntime(folders):
 OURS = ("onnxtrain", onnxtrain.__version__)
 
 
-@pytest.mark.xfail(strict=True, reason="producer_version is empty: onnxtrain/training/artifact_meta.py's "
-                   "finish_model should set producer_version=onnxtrain.__version__ (not helper N's file)")
 def test_optimizer_model_names_onnxtrain_and_its_version(folders):
     theirs, ours = folders
     assert _fields(os.path.join(theirs, "optimizer_model.onnx"))["producer"] == ("orttraining", "")
@@ -112,8 +110,6 @@ def _loss_model() -> onnx.ModelProto:
     return m
 
 
-@pytest.mark.xfail(strict=True, reason="producer_version is empty: onnxtrain/autodiff/builder.py (the "
-                   "make_model of build_gradient_model) should set producer_version=onnxtrain.__version__")
 def test_gradient_graph_names_onnxtrain_and_its_version():
     b = onnxtrain.GradientGraphBuilder(_loss_model().SerializeToString(), {"loss"}, {"fc1.weight"}, "loss")
     b.build()
@@ -121,9 +117,6 @@ def test_gradient_graph_names_onnxtrain_and_its_version():
     assert (m.producer_name, m.producer_version) == OURS
 
 
-@pytest.mark.xfail(strict=True, reason="producer_version is empty: onnxtrain/training_graph.py (the training "
-                   "graph's make_model) and onnxtrain/autodiff/split.py should set "
-                   "producer_version=onnxtrain.__version__")
 def test_legacy_training_graph_dump_names_onnxtrain_and_its_version(tmp_path):
     p = onnxtrain.TrainingParameters()
     p.weights_to_train = {"fc1.weight", "fc2.weight"}
@@ -137,9 +130,6 @@ def test_legacy_training_graph_dump_names_onnxtrain_and_its_version(tmp_path):
         assert (m.producer_name, m.producer_version) == OURS, f
 
 
-@pytest.mark.xfail(strict=True, reason="producer_version is empty: onnxtrain/zoo.py (the builders' "
-                   "make_model) should set producer_version=onnxtrain.__version__; the artifacts and exports "
-                   "of a built-in model pass it on")
 def test_built_in_models_name_onnxtrain_and_its_version():
     from onnxtrain import zoo
 

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, elem_type, model_opset, symbolic_shape, value_types
 from onnxtrain.ir.types import np_dtype
+from onnxtrain.version import PRODUCER
 
 DEFAULT_OPSET = 17
 
@@ -254,7 +255,7 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
     model = helper.make_model(
         graph,
         opset_imports=opsets,
-        producer_name="onnxtrain",
+        **PRODUCER,
         ir_version=helper.find_min_ir_version_for(opsets),
     )
     with editing(model, check_calls=True) as acc:
