@@ -309,6 +309,18 @@ def schedules(A, c, folder, data, cases):
                 lrs.append(o.get_learning_rate())
         P(key + "_lrs", lambda: lrs)
         P(key + "_params", lambda: params_of(state))
+    # the Python wrapper's own argument order (1.19.2 hands (warmup, total) to its binding swapped;
+    # onnxtrain's swap_warmup_and_total=True), over three steps
+    for warmup, total in ((2, 5), (0, 5), (5, 2)):
+        state = A.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+        o = A.Optimizer(f["optimizer_model"], A.Module(f["training_model"], state))
+        s = probe(rec, f"wrapper_{warmup}_{total}", lambda: A.wrapper_scheduler(o, warmup, total, 0.1))
+        lrs = [o.get_learning_rate()]
+        for i in range(3):
+            o.step()
+            s.step()
+            lrs.append(o.get_learning_rate())
+        P(f"wrapper_{warmup}_{total}_lrs", lambda: lrs)
     return rec
 
 

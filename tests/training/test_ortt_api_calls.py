@@ -150,6 +150,7 @@ A = types.SimpleNamespace(
     Optimizer=Optimizer,
     # its Python wrapper hands (warmup, total) to a binding that takes (total, warmup): swapped back here
     scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr),
+    wrapper_scheduler=LinearLRScheduler,
     buffer=lambda a: OrtValue.ortvalue_from_numpy(a)._ortvalue,
     ortvalue=OrtValue.ortvalue_from_numpy, onnxruntime_ortvalue=OrtValue.ortvalue_from_numpy,
     SessionOptions=SessionOptions, run_model=run_model)
@@ -197,6 +198,8 @@ def onnxtrain_api() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         artifacts=artifacts, onnxblock=onnxblock, CheckpointState=CheckpointState, Module=Module,
         Optimizer=Optimizer, scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr),
+        wrapper_scheduler=lambda o, warmup, total, lr: LinearLRScheduler(o, warmup, total, lr,
+                                                                        swap_warmup_and_total=True),
         buffer=lambda a: a, ortvalue=OrtValue.ortvalue_from_numpy,
         onnxruntime_ortvalue=onnxruntime.OrtValue.ortvalue_from_numpy, SessionOptions=SessionOptions,
         run_model=lambda path, feeds: onnxruntime.InferenceSession(
@@ -592,7 +595,8 @@ def test_checkpoints_cross_load(runs, name):
 def test_linear_lr_scheduler_rates_as_onnxruntime_training(runs, side):
     """LinearLRScheduler's rate after construction and after each step (warm-up 0, warm-up == total,
     warm-up > total, total 0, steps past the total, a set_learning_rate in between, an optimizer whose own
-    rate differs from initial_lr) equals the rate 1.19.2's get_learning_rate prints, as float32 bits."""
+    rate differs from initial_lr; and 1.19.2's wrapper's swapped order as swap_warmup_and_total=True) equals
+    the rate 1.19.2's get_learning_rate prints, as float32 bits."""
     d = os.path.join(runs, "schedules")
     ours, theirs = (_read(os.path.join(d, f, "record.json")) for f in (f"ot_{side}", "ort"))
     assert list(ours) == list(theirs)
