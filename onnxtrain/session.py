@@ -57,11 +57,10 @@ from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_halves import HalfSteps
 from onnxtrain.session_loading import (
+    check_numpy_engine_entries,
     load_with_options,
     optimized_model_path,
     options_snapshot,
-    refuse_disabled_cpu_fallback,
-    warn_config_not_applied,
 )
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
 from onnxtrain.session_profiling import end_profiling, profile_session_start
@@ -226,8 +225,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         if self._backend == "numpy":  # config entries the engine cannot honour: as an InferenceSession's
-            refuse_disabled_cpu_fallback(self._sess_options, providers)
-            warn_config_not_applied(self._sess_options)
+            check_numpy_engine_entries(self._sess_options, providers)
         self._providers, self._provider_options = backend_providers(
             self._backend, providers, provider_options
         )

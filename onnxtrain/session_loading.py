@@ -63,6 +63,14 @@ def _stoi_fails(text: str) -> bool:
     return m is None or not -2**31 <= int(m.group()) < 2**31
 
 
+def check_numpy_engine_entries(options: Any, providers: Any) -> None:
+    """The config-entry checks of a training session on the numpy engine (the legacy session, ``Module``):
+    :func:`refuse_disabled_cpu_fallback`, :func:`warn_config_not_applied`, :func:`refuse_bad_ort_entries`."""
+    refuse_disabled_cpu_fallback(options, providers)
+    warn_config_not_applied(options)
+    refuse_bad_ort_entries(options)
+
+
 def refuse_bad_ort_entries(options: Any) -> None:
     """Refuse the values of onnxruntime's session config entries that onnxruntime 1.32 refuses when it makes
     a session, with the class it raises, for a session of the numpy engine (which reads none of them): so
