@@ -2,7 +2,7 @@
 1.19.2 on the same artifacts: 1.19.2 refuses optimization.minimal_build_optimizations = "bogus" (a
 RuntimeError) and session.dynamic_block_base = "x" (a ValueError) when the Module is made. onnxtrain's
 InferenceSession refuses them with onnxruntime 1.32's classes (session_loading.refuse_bad_ort_entries); its
-Module takes them without a word."""
+Module now refuses them too (it took them without a word)."""
 
 from __future__ import annotations
 
@@ -58,9 +58,6 @@ def oracle(tmp_path_factory):
     return found, ours
 
 
-@pytest.mark.xfail(strict=True, reason="onnxtrain/training/api/module.py (helper O's) should call "
-                   "session_loading.refuse_bad_ort_entries for a numpy-engine Module, as InferenceSession "
-                   "does")
 @pytest.mark.parametrize(("key", "value"), ENTRIES, ids=[k for k, _ in ENTRIES])
 def test_module_refuses_what_onnxruntime_training_refuses(oracle, key: str, value: str) -> None:
     found, ours = oracle

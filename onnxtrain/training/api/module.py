@@ -51,7 +51,7 @@ from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import eval_batch_norms, last_statistics
 from onnxtrain.model_config_env import warn_on_device_model_config
-from onnxtrain.session_loading import refuse_disabled_cpu_fallback, warn_config_not_applied
+from onnxtrain.session_loading import check_numpy_engine_entries
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -260,8 +260,7 @@ def _check_session_options(options: Any) -> None:
         return
     numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
     # config entries the engine cannot honour: as an InferenceSession's (a Module runs on the CPU device)
-    refuse_disabled_cpu_fallback(options, ["CPUExecutionProvider"])
-    warn_config_not_applied(options)
+    check_numpy_engine_entries(options, ["CPUExecutionProvider"])
 
 
 class Module:
