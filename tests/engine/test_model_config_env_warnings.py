@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnxtrain
+from tests.engine.test_review_r1_sessions import erf_gelu_model
 
 F = TensorProto.FLOAT
 X = np.linspace(-4, 4, 200).astype(np.float32)
@@ -25,15 +26,9 @@ CPU = ["CPUExecutionProvider"]
 
 
 def _gelu_model(config: dict | None) -> bytes:
-    """torch's export of the erf GELU of x (which enable_gelu_approximation replaces), with ``config`` as
-    its ort_config metadata."""
-    consts = [helper.make_tensor(n, F, [], [v]) for n, v in (("s", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
-    nodes = [helper.make_node("Div", ["x", "s"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["f"]), helper.make_node("Mul", ["x", "f"], ["g"]),
-             helper.make_node("Mul", ["g", "half"], ["y"])]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [200])],
-                          [helper.make_tensor_value_info("y", F, [200])], consts)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    """The erf GELU of x (which enable_gelu_approximation replaces), with ``config`` as its ort_config
+    metadata."""
+    m = erf_gelu_model()
     if config is not None:
         helper.set_model_props(m, {"ort_config": json.dumps(config)})
     return m.SerializeToString()

@@ -62,15 +62,19 @@ def test_onnxruntimes_options_with_set_denormal_as_zero_are_warned_of() -> None:
     assert np.all(c > 0)  # (the numpy engine keeps them, as the warning says)
 
 
-def _gelu_model() -> bytes:
-    """The exported erf GELU of x, which onnxruntime's optimization.enable_gelu_approximation replaces."""
+def erf_gelu_model() -> onnx.ModelProto:
+    """The exported erf GELU of x[200] (onnxruntime's optimization.enable_gelu_approximation replaces it)."""
     consts = [helper.make_tensor(n, F, [], [v]) for n, v in (("s", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
     nodes = [helper.make_node("Div", ["x", "s"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["f"]), helper.make_node("Mul", ["x", "f"], ["g"]),
              helper.make_node("Mul", ["g", "half"], ["y"])]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [200])],
                           [helper.make_tensor_value_info("y", F, [200])], consts)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _gelu_model() -> bytes:
+    return erf_gelu_model().SerializeToString()
 
 
 def test_onnxruntimes_options_with_gelu_approximation_are_warned_of() -> None:
