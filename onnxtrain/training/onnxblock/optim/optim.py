@@ -272,11 +272,23 @@ class SGD(Optimizer):
     name = "SGD"
     state_names = ("momentum0",)
 
+    def compute_type(self, elem_type: int) -> int:
+        """float32 for float16/bfloat16 parameters (the float32 rate, the new value rounded once, as
+        onnxruntime's SGD kernel body widens: in the half type the rate, lr·g and the difference each
+        rounded); else the parameter's own type."""
+        return half_widened(elem_type)
+
     def update(
         self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
     ) -> dict[str, str]:
-        step = acc.node("Mul", [shared["lr"], g], "mul_output")[0]
-        return {p: acc.node("Sub", [p, step], "updated_param")[0]}
+        pt = acc.float_type_of(p)
+        et = self.compute_type(pt)
+        pc, gc = (x if et == pt else _as_type(acc, x, pt, et) for x in (p, g))
+        step = acc.node("Mul", [shared["lr"], gc], "mul_output")[0]
+        if et == pt:
+            return {p: acc.node("Sub", [pc, step], "updated_param")[0]}
+        wide = acc.node("Sub", [pc, step], "sub_output")[0]
+        return {p: acc.node("Cast", [wide], "updated_param", to=pt)[0]}
 
 
 class AdamW(Optimizer):
