@@ -244,11 +244,12 @@ def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]
                      ) -> tuple[onnx.ModelProto, str | None]:
     """``m`` (an inference model whose weights are initializers or ``arrays``) with its fixed batch axis
     made symbolic, and None; or ``m`` itself and the reason it keeps its batch size (the data inputs'
-    first axes differ, or the model fails or gives other batch sizes at 1 and 2 rows: an Expand to a
-    constant shape holding the batch size, say). A Reshape to a constant shape that starts with the batch
-    size (a static torch export's flatten) is tried with 0 there (the input's first axis, as ONNX's
-    Reshape reads 0). A freed model must give the fixed model's outputs at the fixed batch size. A model
-    without fixed first axes is returned as is."""
+    first axes differ, the model fails or gives other batch sizes at 1 and 2 rows, an Expand to a
+    constant shape holding the batch size, say, or its rows mix: a mean over the batch). A Reshape to a
+    constant shape that starts with the batch size (a static torch export's flatten) is tried with 0 there
+    (the input's first axis, as ONNX's Reshape reads 0) first, and its reason given when both fail. A freed
+    model must give the fixed model's outputs at the fixed batch size. A model without fixed first axes is
+    returned as is."""
     held = {t.name for t in m.graph.initializer} | {n for n, _ in arrays}
     data = _first_dims(v for v in m.graph.input if v.name not in held)
     sizes = {n for _, n in data if n is not None}
@@ -278,12 +279,13 @@ def any_batch_export(m: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]
     reshaped.CopyFrom(free)
     if _reshapes_keep_rows(reshaped.graph, fixed):
         tries.insert(0, reshaped)
-    why = None
+    reasons = []
     for t in tries:
         why = _runs_at_any_batch(t, m, arrays, fixed)
         if why is None:
             return t, None
-    return m, why
+        reasons.append(why)
+    return m, reasons[0]
 
 
 def _reshapes_keep_rows(g: onnx.GraphProto, fixed: int) -> int:
@@ -318,8 +320,8 @@ def _reshapes_keep_rows(g: onnx.GraphProto, fixed: int) -> int:
 def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
                        arrays: Sequence[tuple[str, np.ndarray]], fixed: int) -> str | None:
     """None when ``free`` runs on the numpy engine at 1, 2 and ``fixed`` rows, each output's first axis
-    that many rows, the first row alike at 1 and 2 rows, and at ``fixed`` rows the outputs of
-    ``fixed_model``; else what went wrong."""
+    that many rows, each row of the 2-row run alike when run alone (the rows do not mix), and at ``fixed``
+    rows the outputs of ``fixed_model``; else what went wrong."""
     from onnxtrain.engine.backends import make_plan
 
     def plan_of(model: onnx.ModelProto) -> tuple[Any, onnx.GraphProto]:
@@ -341,15 +343,16 @@ def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
                     continue
                 tt = v.type.tensor_type
                 shape = [rows, *(d.dim_value if d.HasField("dim_value") else 1 for d in tt.shape.dim[1:])]
-                dt = np_dtype(tt.elem_type)
-                feeds[v.name] = (rng.standard_normal(shape).astype(dt) if dt.kind == "f"
-                                 else np.zeros(shape, dt))
+                feeds[v.name] = _trial_rows(rng, shape, np_dtype(tt.elem_type))
                 if results:  # (row 0 as at 1 row)
                     feeds[v.name][:1] = results[0][1][v.name]
             results.append((plan.run(feeds), feeds))
+        # (the second row of the 2-row run alone: a mix that leaves the first row as it was, a cumulative
+        # sum over the rows, shows there)
+        second = plan.run({k: (a[1:2] if k not in held else a) for k, a in results[1][1].items()})
         want = plan_of(fixed_model)[0].run(results[-1][1])
     except Exception as e:  # noqa: BLE001 - any failure at another batch size keeps the fixed one
-        rows = (1, 2, fixed)[min(len(results), 2)]
+        rows = (1, 2, fixed, 1)[min(len(results), 3)]
         return f"at {rows} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
     for rows, (outs, _) in zip((1, 2, fixed), results):
         for o, a in zip(g.output, outs):
@@ -362,13 +365,23 @@ def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
             return a.shape == b.shape and np.allclose(a, b, rtol=rtol, atol=rtol * 1e-2, equal_nan=True)
         return np.array_equal(a, b)
 
-    for o, a, b in zip(g.output, results[0][0], results[1][0]):
-        if not alike(a[:1], b[:1], 1e-3):
-            return f"output {o.name!r}'s first row changes with the rows after it (the rows mix)"
+    for o, a, b, c in zip(g.output, results[0][0], results[1][0], second):
+        if not alike(a[:1], b[:1], 1e-3) or not alike(c, b[1:2], 1e-3):
+            return f"output {o.name!r}'s rows change with the other rows (the rows mix)"
     for o, a, b in zip(g.output, results[2][0], want):
         if not alike(a, b, 1e-5):
             return f"at {fixed} rows output {o.name!r} differs from the fixed model's"
     return None
+
+
+def _trial_rows(rng: np.random.Generator, shape: list[int], dt: np.dtype) -> np.ndarray:
+    """An input of ``shape`` whose rows differ, to show rows that mix: standard normal values for a float
+    type (bfloat16 and float8 included), row k all k % 2 for an integer or bool type (valid ids, counts and
+    flags: 0 and 1)."""
+    if dt.kind in "fc" or dt.name.startswith(("float", "bfloat")):
+        return rng.standard_normal(shape).astype(dt)
+    rows = (np.arange(shape[0]) % 2).reshape(-1, *[1] * (len(shape) - 1))
+    return np.broadcast_to(rows, shape).astype(dt)
 
 
 def _plain_log_labels() -> type:
