@@ -63,7 +63,7 @@ class DataParallelSteps:
             self._specs = specs
             for sp in specs:
                 self._store[sp.name] = sp.initial.copy()
-            # half-precision gradients are summed in float32 and scaled after the sum, rounded once
+            # half-precision gradients are summed in float32, scaled after the sum (in float32: one process)
             self._zgrad = np.zeros(z.padded, wire_dtype(dt))
             self._zown = np.zeros(z.per_rank, wire_dtype(dt))
             self._zdtype = np.dtype(dt)
@@ -168,8 +168,8 @@ class DataParallelSteps:
         own = comm.reduce_scatter_(
             self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
         )
-        if half:  # the float32 sum times the float64 factor, rounded once to the weights' type
-            own = (own * np.float64(self._grad_scale)).astype(self._zdtype)
+        if half:  # the float32 sum times the float32 factor, cast to the weights' type (as one process)
+            own = (own * np.float32(self._grad_scale)).astype(self._zdtype)
         self._check_same_update_feeds(feeds)  # each owner updates its share with its own feeds
         own64 = own.astype(np.float64)
         total = comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")

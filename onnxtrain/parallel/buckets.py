@@ -5,9 +5,10 @@ in chunks of at most ``bucket_bytes`` (one ``MPI_Allreduce`` each). Each gradien
 scaled in the same pass (``1/(N·D)`` as in the legacy), and the reduced gradients are returned as
 views of the flat buffer, valid until the next reduction. Half-precision gradients (float16, bfloat16,
 float8) are summed unscaled in float32 (exact for a few ranks' half values or float32 accumulation sums),
-then times the factor in float64, rounded once to their type: the ranks' mean as one process rounds it. A
-buffer of the half type rounded twice (each rank's scaled part, then the sum; float16 at every addition of
-MPI's reduction tree), one element in three a unit in the last place off.
+then times the factor in float32 and cast to their type: one process's mean, whose accumulation graph
+multiplies its float32 sum by a float32 ``1/steps`` before the cast (a float64 factor rounds a few elements
+in ten million otherwise). A buffer of the half type rounded twice (each rank's scaled part, then the sum;
+float16 at every addition of MPI's reduction tree), one element in three a unit in the last place off.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class BucketReducer:
             self.comm.allreduce_(c, f"gradient allreduce (bucket {k + 1} of {len(self.chunks)}, "
                                     f"{c.nbytes} bytes)")
         for w, v in zip(self.wire, self.views):
-            if v is not w:  # the float32 sum times the float64 factor, rounded once to the half type
-                np.copyto(v, w * np.float64(scale) if scale != 1.0 else w, casting="unsafe")
+            if v is not w:  # the float32 sum times the float32 factor, cast to the half type (as one process)
+                np.copyto(v, w * np.float32(scale) if scale != 1.0 else w, casting="unsafe")
         return self.views
 
 

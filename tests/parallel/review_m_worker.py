@@ -136,11 +136,23 @@ HALF_TYPES = {"bfloat16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16),
               "float16": (TensorProto.FLOAT16, np.float16)}
 
 
+# float16 columns (bits; rank r's micro-step k is row 3r + k) whose mean over 2 ranks x 3 micro-steps one
+# process rounds otherwise than the float64 mean: its float32 sum times float32(1/6) (the accumulation graph's
+# Mul) lands on a float16 midpoint the exact mean is just below (1.1030273 -> 1.104, not 1.103)
+HALF_MIDPOINT_COLUMNS = np.array([[11473, 50127, 18650, 13705, 13915, 4991],
+                                  [16221, 46310, 19049, 10830, 5615, 42331]], np.uint16)
+
+
 def half_rows(size: int, dtype: type) -> np.ndarray:
-    """Every rank's micro-step rows, [size, HALF_MICRO, HALF_N]: values of several magnitudes."""
+    """Every rank's micro-step rows, [size, HALF_MICRO, HALF_N]: values of several magnitudes (on 2 ranks in
+    float16, the first columns are :data:`HALF_MIDPOINT_COLUMNS`)."""
     rng = np.random.default_rng(21)
     x = rng.standard_normal((size, HALF_MICRO, HALF_N)) * np.exp2(rng.integers(-4, 4, (size, HALF_MICRO, 1)))
-    return x.astype(dtype)
+    x = x.astype(dtype)
+    if size == 2 and np.dtype(dtype) == np.float16:
+        cols = HALF_MIDPOINT_COLUMNS.view(np.float16)
+        x[:, :, :len(cols)] = cols.T.reshape(size, HALF_MICRO, len(cols))
+    return x
 
 
 def half_cases(rank: int, size: int) -> dict:
