@@ -407,6 +407,9 @@ def edges(A, c, folder, data, out):
     P("set_lr_nan", lambda: [o.set_learning_rate(float("nan")), str(o.get_learning_rate())])
     P("set_lr_huge", lambda: [o.set_learning_rate(1e39), o.get_learning_rate()])
     P("set_lr_tiny", lambda: [o.set_learning_rate(1e-46), o.get_learning_rate()])
+    # an int past float64's range: 1.19.2's binding refuses it as a TypeError (an int past float32's is +inf)
+    P("set_lr_int_past_float64", lambda: o.set_learning_rate(10**400))
+    P("set_lr_int_past_float32", lambda: [o.set_learning_rate(10**40), o.get_learning_rate()])
     P("lr_after_bad", o.get_learning_rate)
     o.set_learning_rate(0.05)
     name0 = c["requires_grad"][0]
@@ -489,7 +492,8 @@ def edges(A, c, folder, data, out):
     for key, args in (("sched_negative", (-1, 5, 0.1)), ("sched_float_counts", (1.0, 5.0, 0.1)),
                       ("sched_int_lr", (1, 5, 1)), ("sched_str_lr", (1, 5, "0.1")),
                       ("sched_zero_lr", (0, 5, 0.0)), ("sched_negative_lr", (0, 5, -0.1)),
-                      ("sched_nan_lr", (0, 5, float("nan"))), ("sched_huge_lr", (0, 5, 1e39))):
+                      ("sched_nan_lr", (0, 5, float("nan"))), ("sched_huge_lr", (0, 5, 1e39)),
+                      ("sched_int_past_float64_lr", (0, 5, 10**400))):
         P(key, lambda: [A.scheduler(o, *args) is not None, o.get_learning_rate()])
     # a reset then a step without a training call (the old gradients apply); a scheduler made after steps
     # and over a restored step count; a save right after the Optimizer is made

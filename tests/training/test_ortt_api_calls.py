@@ -541,8 +541,10 @@ EDGE_MESSAGES = {
     "labels_other_dtype": _labels, "labels_other_batch": _labels, "eval_other_batch": _labels,
     "input_other_dims": lambda c: "'input'", "input_extra_axis": lambda c: "'input'",
     "module_missing_train": lambda c: "none.onnx", "module_missing_eval": lambda c: "none.onnx",
-    "optimizer_missing": lambda c: "none.onnx", "set_lr_str": lambda c: "str", "sched_float_counts":
-    lambda c: "warmup_step_count", "export_str_names": lambda c: "graph_output_names",
+    "optimizer_missing": lambda c: "none.onnx", "set_lr_str": lambda c: "str",
+    "set_lr_int_past_float64": lambda c: "learning rate",
+    "sched_int_past_float64_lr": lambda c: "learning rate",
+    "sched_float_counts": lambda c: "warmup_step_count", "export_str_names": lambda c: "graph_output_names",
     "device_bad": lambda c: "tpu", "save_to_folder": lambda c: "directory",
     "nominal_get": lambda c: c["requires_grad"][0],
     "nominal_train": lambda c: "nominal", "nominal_copy_trainable": lambda c: "trainable_only",

@@ -85,8 +85,13 @@ def learning_rate_value(lr: Any) -> float:
         lr = lr.reshape(()).item()
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
         raise TypeError(f"the learning rate must be a float, got {type(lr).__name__}")
-    with np.errstate(over="ignore"):  # past float32's range: ±inf, as onnxruntime's float argument, silently
-        return float(np.float32(lr))
+    try:
+        # past float32's range: ±inf, as onnxruntime's float argument, silently
+        with np.errstate(over="ignore"):
+            return float(np.float32(lr))
+    except OverflowError:  # an int past float64's range: onnxruntime-training's binding refuses it as a type
+        raise TypeError(f"the learning rate must be a float; this {type(lr).__name__} is past float64's "
+                        "range") from None
 
 
 def _io_record(model: Any) -> dict[str, Any] | None:
