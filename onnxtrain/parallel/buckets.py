@@ -120,7 +120,8 @@ def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, inpl
         if not isinstance(a, np.ndarray) or (inplace and not a.flags.writeable):
             raise TypeError(f"allreduce_gradients: item {i} must be a writeable numpy array, got "
                             f"{type(a).__name__}")
-    key = (tuple(a.shape for a in arrays), tuple(a.dtype.str for a in arrays), bucket_bytes, id(comm))
+    # the dtypes themselves: numpy's strings name several of ml_dtypes' float8 types alike ('<V1')
+    key = (tuple(a.shape for a in arrays), tuple(a.dtype for a in arrays), bucket_bytes, id(comm))
     red = _REDUCERS.get(key)
     if red is None:
         red = _REDUCERS[key] = BucketReducer(comm, [a.shape for a in arrays], [a.dtype for a in arrays],
