@@ -54,13 +54,30 @@ def refuse_disabled_cpu_fallback(options: Any, providers: Any) -> None:
 
 
 _POLICIES = ("", "auto", "latency", "memory", "safe")
-_STOI = re.compile(r"\s*[+-]?\d+")  # what C++'s std::stoi reads at the start of a string
+# what C++'s std::stoi reads at the start of a string: C-locale spaces, a sign, ASCII digits (Python's \s and
+# \d would take Unicode ones, which stoi refuses)
+_STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+# what onnxruntime takes as a positive whole number (function expansion limits): decimal or 0x hexadecimal
+_WHOLE = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]+")
 
 
-def _stoi_fails(text: str) -> bool:
-    """Whether std::stoi refuses ``text`` (no number at its start, or one past int32)."""
+class FailIndexError(Fail, IndexError):
+    """A session config entry whose number is past int32 (``session.dynamic_block_base``): the IndexError
+    onnxruntime's binding raises for std::stoi's out_of_range, and onnxruntime's ``Fail``."""
+
+
+def _stoi_fails(text: str) -> type[Exception] | None:
+    """The class std::stoi's failure on ``text`` comes out as in onnxruntime's binding: ValueError for no
+    number at its start, IndexError for one past int32; None when it reads it."""
     m = _STOI.match(text)
-    return m is None or not -2**31 <= int(m.group()) < 2**31
+    if m is None:
+        return ValueError
+    return None if -2**31 <= int(m.group(1)) < 2**31 else IndexError
+
+
+def _positive_whole(text: str) -> bool:
+    """Whether onnxruntime takes ``text`` as a positive whole number below 2**64."""
+    return _WHOLE.fullmatch(text) is not None and 0 < int(text, 0 if text[1:2] in "xX" else 10) < 2**64
 
 
 def check_numpy_engine_entries(options: Any, providers: Any) -> None:
@@ -78,8 +95,10 @@ def refuse_bad_ort_entries(options: Any) -> None:
     ``optimization.minimal_build_optimizations`` other than "" or "apply" ("save" only with
     ``session.save_model_format`` "ORT"), ``session.kernel_dispatch_policy`` other than "", "auto",
     "latency", "memory", "safe", ``session.function_expansion_byte_limit`` / ``_node_limit`` other than a
-    positive whole number in digits; RuntimeException for a ``session.graph_optimizations_loop_level`` and a
-    ValueError (a Fail) for a ``session.dynamic_block_base`` that C++'s ``stoi`` does not read."""
+    positive whole number below 2**64 in decimal or 0x hexadecimal digits; RuntimeException for a
+    ``session.graph_optimizations_loop_level`` and a ValueError (a Fail) for a ``session.dynamic_block_base``
+    that C++'s ``stoi`` does not read, an IndexError (a Fail) for one past int32, as onnxruntime's binding
+    raises std::stoi's invalid_argument and out_of_range."""
     value = config_entry(options, "optimization.minimal_build_optimizations")
     saves_ort = config_entry(options, _SAVE_FORMAT) == "ORT"
     if value not in (None, "", "apply") and not (value == "save" and saves_ort):
@@ -93,7 +112,7 @@ def refuse_bad_ort_entries(options: Any) -> None:
                               f"'auto', 'latency', 'memory', or 'safe' (case-sensitive), got {value!r}")
     for key in ("session.function_expansion_byte_limit", "session.function_expansion_node_limit"):
         value = config_entry(options, key)
-        if value is not None and not (value.isascii() and value.isdigit() and 0 < int(value) < 2**64):
+        if value is not None and not _positive_whole(value):
             raise InvalidArgument(f"session config entry {key} must be a positive whole number, got "
                                   f"{value!r}")
     value = config_entry(options, "session.graph_optimizations_loop_level")
@@ -101,7 +120,11 @@ def refuse_bad_ort_entries(options: Any) -> None:
         raise RuntimeException(f"session config entry session.graph_optimizations_loop_level must be a whole "
                                f"number, got {value!r}")
     value = config_entry(options, "session.dynamic_block_base")
-    if value is not None and _stoi_fails(value):
+    failed = None if value is None else _stoi_fails(value)
+    if failed is IndexError:
+        raise FailIndexError(f"session config entry session.dynamic_block_base: {value!r} is past int32's "
+                             "range")
+    if failed is not None:
         raise FailValueError(f"session config entry session.dynamic_block_base must be a whole number, got "
                              f"{value!r}")
 

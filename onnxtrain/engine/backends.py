@@ -223,7 +223,7 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
 _LOAD_FAILURE_NAMES = {"InvalidArgument": "InvalidArgument", "RuntimeException": "RuntimeException",
                        "NoSuchFile": "NoSuchFile", "InvalidProtobuf": "InvalidProtobuf",
                        "InvalidGraph": "InvalidGraph", "NotImplemented": "NotImplemented", "EPFail": "EPFail",
-                       "ValueError": "EngineValueError"}
+                       "ValueError": "EngineValueError", "IndexError": "EngineIndexError"}
 _LOAD_FAILURES: dict[str, type] = {}  # class name → class, made on first use (the engine's modules load late)
 
 
@@ -233,11 +233,13 @@ def _load_failure(class_name: str) -> type:
     if not _LOAD_FAILURES:
         from onnxtrain import errors
         from onnxtrain.engine.interface import EngineError
+        from onnxtrain.session_loading import FailIndexError
 
         mirrors = {"InvalidArgument": errors.InvalidArgument, "RuntimeException": errors.RuntimeException,
                    "NoSuchFile": errors.NoSuchFile, "InvalidProtobuf": errors.InvalidProtobuf,
                    "InvalidGraph": errors.InvalidGraph, "NotImplemented": errors.NotImplementedError_,
-                   "EPFail": errors.EPFail, "EngineValueError": errors.FailValueError}
+                   "EPFail": errors.EPFail, "EngineValueError": errors.FailValueError,
+                   "EngineIndexError": FailIndexError}
         for name, mirror in mirrors.items():
             _LOAD_FAILURES[name] = type(name, (EngineError, mirror), {
                 "__module__": __name__,
@@ -264,7 +266,7 @@ def _as_onnxruntime_raised(e: Exception, options: Any) -> Exception:
         return e
     module = type(raised).__module__
     name = type(raised).__name__
-    if not (module.startswith("onnxruntime") or module == "builtins" and name == "ValueError"):
+    if not (module.startswith("onnxruntime") or module == "builtins" and name in _LOAD_FAILURE_NAMES):
         return e
     cls = _load_failure(_LOAD_FAILURE_NAMES[name]) if name in _LOAD_FAILURE_NAMES else EngineError
     message = str(e)
