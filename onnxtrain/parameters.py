@@ -355,8 +355,9 @@ class TrainingParameters:
                         "value its dynamic loss scaler feeds)")
         fp16_allreduce = self.is_set("perform_fp16_allreduce") and v["perform_fp16_allreduce"]
         if fp16_allreduce and not v["use_mixed_precision"]:
-            idle.append("perform_fp16_allreduce has no effect without use_mixed_precision (the gradients are "
-                        "exchanged in the weights' own type)")
+            idle.append("perform_fp16_allreduce has no effect without use_mixed_precision (onnxruntime read "
+                        "it for a mixed-precision graph only; onnxtrain sums float32 and float64 gradients "
+                        "across ranks in their own type, float16 and bfloat16 ones in float32)")
         elif fp16_allreduce:
             idle.append("perform_fp16_allreduce has no effect: onnxtrain sums the float32 master gradients "
                         "across ranks (as onnxruntime did with False)")
