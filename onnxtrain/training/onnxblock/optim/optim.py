@@ -49,9 +49,17 @@ class ClipGradNorm(Block):
             raise BlockError(f"ClipGradNorm: max_norm must be > 0, got {max_norm}")
 
     def build(self, *gradient_names: str) -> tuple[str, ...]:
+        return self.clip(*gradient_names)[0]
+
+    def clip(self, *gradient_names: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the clipped gradients in their own types, the same values before a float16/bfloat16 one is
+        rounded to its type: float32, which an optimizer widening that parameter reads, so the step rounds
+        once). A half gradient is clipped in float32 and rounded once: in the half type the coefficient and
+        the product each rounded, and onnxruntime, which drops the coefficient's Cast to half in front of the
+        half Mul it computes in float32, gave other bits than the graph (its step too)."""
         acc = _acc()
         if not gradient_names:
-            return ()
+            return (), ()
         for g in gradient_names:
             vi = acc._input_named(g)
             if vi is not None and vi.type.HasField("sequence_type"):
@@ -72,12 +80,18 @@ class ClipGradNorm(Block):
         )[0]
         coef = acc.node("Min", [ratio, acc.scalar(1.0, et)], "clip_coef")[0]
         coefs: dict[int, str] = {et: coef}
-        out = []
+        out, wide = [], []
         for g, t in zip(gradient_names, types):
+            if t in HALF_TYPES:
+                w = acc.node("Mul", [acc.node("Cast", [g], "cast_output", to=et)[0], coef], "mul_output")[0]
+                out.append(acc.node("Cast", [w], "clipped_gradient", to=t)[0])
+                wide.append(w)
+                continue
             if t not in coefs:
                 coefs[t] = acc.node("Cast", [coef], "cast_output", to=t)[0]
             out.append(acc.node("Mul", [g, coefs[t]], "clipped_gradient")[0])
-        return tuple(out)
+            wide.append(out[-1])
+        return tuple(out), tuple(wide)
 
     def divisor(self, acc: ModelBase, norm: str, loss_scale: str, et: int) -> str:
         """s = max(L, (N + L·eps) / max_norm) for loss-scaled gradients of global norm N (scalars of
@@ -167,6 +181,7 @@ class Optimizer(Block):
         acc = _acc()
         new: dict[str, str] = {}
         grads = list(gradients)
+        wide: dict[str, str] = {}
         flag = None
         if loss_scale is not None:
             unscaled, flag, scales = self._unscale(acc, grads, loss_scale)
@@ -175,9 +190,10 @@ class Optimizer(Block):
                            for g, u in zip(grads, unscaled))
             grads = unscaled
         elif self.clip_grad is not None:
-            clipped = self.clip_grad(*grads)
-            new.update(zip(grads, clipped))
-            grads = list(clipped)
+            with_clip = self.clip_grad.clip(*grads)
+            new.update(zip(grads, with_clip[0]))
+            wide = {g: w for g, c, w in zip(grads, *with_clip) if w != c}  # half ones, clipped in float32
+            grads = list(with_clip[0])
         lr = acc.node("Squeeze", [learning_rate], "learning_rate")[0]  # [1] -> scalar: keeps param shapes
         t = acc.node("Squeeze", [step], "step")[0]
         shared: dict[int, dict[str, str]] = {}
@@ -185,7 +201,14 @@ class Optimizer(Block):
             et = self.compute_type(acc.float_type_of(p))
             if et not in shared:
                 shared[et] = self.prepare(acc, lr, t, et)
-            new.update(self.update(acc, shared[et], p, g, {key: states[key][k] for key in self.state_names}))
+            kept = {key: states[key][k] for key in self.state_names}
+            if wide.get(gradients[k]) is not None and et != acc.float_type_of(p):
+                # a half parameter that steps in float32 reads its clipped gradient before that is rounded
+                self._widened = (g, wide[gradients[k]])
+            try:
+                new.update(self.update(acc, shared[et], p, g, kept))
+            finally:
+                self._widened = None
         if flag is not None:
             # a non-finite step changes nothing: every new value falls back to its input
             new = {x: acc.node("Where", [flag, v, x], "if_finite")[0] for x, v in new.items()}
@@ -215,9 +238,18 @@ class Optimizer(Block):
             out.append(acc.node("Div", [g, divs[t]], "unscaled_gradient")[0])
         return out, flag, scales
 
+    _widened: tuple[str, str] | None = None  # (a half gradient, its float32 value before rounding)
+
     def compute_type(self, elem_type: int) -> int:
         """The type the update of a parameter of ``elem_type`` computes in (its own)."""
         return elem_type
+
+    def widen(self, acc: ModelBase, x: str, have: int, want: int) -> str:
+        """``x`` of type ``have`` as type ``want``: a Cast, or the float32 value a half clipped gradient was
+        rounded from (:meth:`ClipGradNorm.clip`)."""
+        if self._widened is not None and x == self._widened[0] and want == TensorProto.FLOAT:
+            return self._widened[1]
+        return _as_type(acc, x, have, want)
 
     def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
         """Scalars shared by all parameters whose update computes in ``et`` (:meth:`compute_type`)."""
@@ -283,7 +315,7 @@ class SGD(Optimizer):
     ) -> dict[str, str]:
         pt = acc.float_type_of(p)
         et = self.compute_type(pt)
-        pc, gc = (x if et == pt else _as_type(acc, x, pt, et) for x in (p, g))
+        pc, gc = (x if et == pt else self.widen(acc, x, pt, et) for x in (p, g))
         step = acc.node("Mul", [shared["lr"], gc], "mul_output")[0]
         if et == pt:
             return {p: acc.node("Sub", [pc, step], "updated_param")[0]}
@@ -378,7 +410,7 @@ class AdamW(Optimizer):
         m, v = states["momentum0"], states["momentum1"]
         # a half parameter: parameter, gradient and moments (kept in its type) cast to float32, the new
         # values cast back (below); float32/float64 parameters: the nodes as they were
-        pc, gc, mc, vc = (x if et == pt else _as_type(acc, x, pt, et) for x in (p, g, m, v))
+        pc, gc, mc, vc = (x if et == pt else self.widen(acc, x, pt, et) for x in (p, g, m, v))
         m_new = _moving_average(acc, mc, gc, b1, et, "momentum0")
         v_new = _moving_average(acc, vc, gc, b2, et, "momentum1", squared=True)
         denom = acc.node(
