@@ -64,8 +64,9 @@ class BucketReducer:
             self.comm.allreduce_(c, f"gradient allreduce (bucket {k + 1} of {len(self.chunks)}, "
                                     f"{c.nbytes} bytes)")
         for w, v in zip(self.wire, self.views):
-            if v is not w:  # the float32 sum times the float32 factor, cast to the half type (as one process)
-                np.copyto(v, w * np.float32(scale) if scale != 1.0 else w, casting="unsafe")
+            if v is not w:  # the float32 sum times the float32 factor, cast to the half type (one process's);
+                with np.errstate(over="ignore"):  # a sum past the half type's range is ±inf, as MPI's was
+                    np.copyto(v, w * np.float32(scale) if scale != 1.0 else w, casting="unsafe")
         return self.views
 
 

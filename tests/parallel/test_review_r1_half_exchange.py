@@ -172,3 +172,19 @@ def test_allreduce_gradients_keeps_float8_types_apart(first, second) -> None:
         got = allreduce_gradients([values.astype(t)], inplace=False, comm=comm)[0]
         assert got.dtype == np.dtype(t), (t, got.dtype)
         np.testing.assert_array_equal(got.astype(np.float64), values.astype(t).astype(np.float64))
+
+
+def test_a_float16_sum_past_its_range_is_infinite_without_a_numpy_warning() -> None:
+    """``allreduce_gradients(average=False)`` of float16 gradients whose sum passes 65504: infinite, as MPI's
+    float16 sum gave it before 42f179af, and no 'overflow encountered in cast' RuntimeWarning from the cast
+    of the float32 sum."""
+    import warnings
+
+    from onnxtrain.parallel import allreduce_gradients
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = allreduce_gradients([np.array([60000.0, -60000.0, 1.5], np.float16)], average=False,
+                                  inplace=False, comm=_TwoSameRanks())[0]
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, np.array([np.inf, -np.inf, 3.0], np.float16))
