@@ -47,6 +47,7 @@ from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import gc_paused, loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
+from onnxtrain.ir.types import widens_exactly
 from onnxtrain.locks import fork_safe_rlock
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import check_sizes
@@ -700,16 +701,13 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
     def _assign(self, name: str, value: Any) -> None:
         """Replace state ``name`` by a copy of ``value``: its shape, and its dtype or a float dtype that
         casts to it without loss (float32 moments saved for a float64 weight before they were kept in
-        float64)."""
+        float64; bfloat16 or float16 moments for float32 ones)."""
         cur = self._store[name]
         arr = np.asarray(value)
         if arr.shape != cur.shape:
             raise ValueError(f"state {name!r}: expected shape {list(cur.shape)}, got {list(arr.shape)}")
-        if arr.dtype != cur.dtype:
-            lossless = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(cur.dtype, np.floating)
-                        and np.can_cast(arr.dtype, cur.dtype, "safe"))
-            if not lossless:
-                raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
+        if arr.dtype != cur.dtype and not widens_exactly(arr.dtype, cur.dtype):
+            raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
         if self._pending is not None:  # (an all_or_nothing load: copied once every value passed)
             self._pending[name] = arr
         else:

@@ -19,6 +19,21 @@ def np_dtype(elem_type: int) -> np.dtype:
     return dt
 
 
+def widens_exactly(src: Any, dst: Any) -> bool:
+    """Whether every value of float dtype ``src`` is one of float dtype ``dst`` (numpy's floats, ml_dtypes'
+    bfloat16 and float8 types): float16 or bfloat16 into float32, not float32 into float16."""
+    import ml_dtypes
+
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src.kind not in "fV" or dst.kind not in "fV":
+        return False
+    try:
+        a, b = ml_dtypes.finfo(src), ml_dtypes.finfo(dst)
+    except (TypeError, ValueError):  # (a structured or opaque type)
+        return False
+    return a.nmant <= b.nmant and a.maxexp <= b.maxexp and a.minexp >= b.minexp
+
+
 def onnx_elem_type(dtype: Any) -> int:
     """The ONNX element type of a numpy dtype."""
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
