@@ -60,6 +60,11 @@ class _CumulativeRows(nn.Module):
         return self.fc(x).cumsum(0)
 
 
+class _ReverseCumulativeRows(_CumulativeRows):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # row k sums rows k..: the last row is its own
+        return self.fc(x).flip(0).cumsum(0).flip(0)
+
+
 def _torch_export(net: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
     torch.manual_seed(0)
     buf = io.BytesIO()
@@ -91,7 +96,8 @@ def _floats(rows: int) -> np.ndarray:
 
 MIXING = {"embedding_centred": (_EmbedCentred, _ids),
           "embedding_batchnorm_training": (_EmbedBatchNormTraining, _ids),
-          "cumulative_sum_over_rows": (_CumulativeRows, _floats)}
+          "cumulative_sum_over_rows": (_CumulativeRows, _floats),
+          "reverse_cumulative_sum": (_ReverseCumulativeRows, _floats)}
 
 
 @pytest.mark.parametrize("case", list(MIXING))
