@@ -5,8 +5,9 @@ float16(1/6) 0.16662598 (0.024 % low), so with three accumulation steps on two r
 gradient of a bfloat16 or float16 model was biased by that much, and a fetched global_gradient_norm with it
 (0.19 % above one process's for bfloat16). Factors that are powers of two (2 or 4 ranks, no accumulation)
 were exact, which the other tests take. (Since review M the exchange itself sums half gradients unscaled in
-float32 and scales the sum in float64, rounding once: tests/parallel/test_review_m_exchange.py checks the
-ranks' mean; here one rank's reduction still gives the product rounded once.)
+float32, then multiplies the sum by a float32 factor and casts it, as one process's accumulation graph does
+(review R1): tests/parallel/test_review_m_exchange.py checks the ranks' mean against one process; here one
+rank's reduction gives the product rounded once but on a rare tie.)
 
 Oracles: the float64 product correctly rounded to the half type (ml_dtypes' and numpy's casts round to
 nearest even), and under ``mpiexec -n 2`` the float64 norm of the batch mean of x for the model of
