@@ -27,7 +27,7 @@ from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisio
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg, warn_unread_model_config
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, loadable_model, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
-from onnxtrain.ir.types import value_info_shape
+from onnxtrain.ir.types import value_info_shape, widens_exactly
 from onnxtrain.optim.base import WeightSlot
 from onnxtrain.parallel import (
     BucketReducer,
@@ -429,9 +429,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                 if arr.shape != kept.shape:
                     raise ValueError(
                         f"state {sp.name!r}: expected shape {list(kept.shape)}, got {list(arr.shape)}")
-                lossless = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(kept.dtype, np.floating)
-                            and np.can_cast(arr.dtype, kept.dtype, "safe"))
-                if arr.dtype != kept.dtype and not lossless:
+                if arr.dtype != kept.dtype and not widens_exactly(arr.dtype, kept.dtype):
                     raise TypeError(f"state {sp.name!r}: expected dtype {kept.dtype}, got {arr.dtype}")
 
     def _whole_state_specs(self, model: onnx.ModelProto, trainable: list[str]) -> list:

@@ -31,7 +31,15 @@ def widens_exactly(src: Any, dst: Any) -> bool:
         a, b = ml_dtypes.finfo(src), ml_dtypes.finfo(dst)
     except (TypeError, ValueError):  # (a structured or opaque type)
         return False
-    return a.nmant <= b.nmant and a.maxexp <= b.maxexp and a.minexp >= b.minexp
+
+    def specials(dt: np.dtype) -> tuple[bool, bool]:  # (has infinities, has -0): float8's fn/fnuz lack them
+        with np.errstate(invalid="ignore", over="ignore"):
+            inf, zero = np.array([np.inf, -0.0], np.float32).astype(dt).astype(np.float32)
+        return bool(np.isinf(inf)), bool(np.signbit(zero))
+
+    # the same or more significand bits, a range as wide, a quantum (smallest subnormal) as fine
+    return (a.nmant <= b.nmant and a.maxexp <= b.maxexp and a.minexp - a.nmant >= b.minexp - b.nmant
+            and all(d or not s for s, d in zip(specials(src), specials(dst))))
 
 
 def onnx_elem_type(dtype: Any) -> int:
