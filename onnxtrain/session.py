@@ -295,8 +295,14 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
         unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}  # (see self._outputs below)
         for where, path, kind, missing_folder in requested_dumps(p, self._sess_options):
-            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default, unlisted), path, where,
-                      missing_folder=missing_folder)
+            dump = dumped_graph(graphs[kind], self._store, g.training_mode_default, unlisted)
+            built = dump.producer_name, dump.producer_version  # (the dump may be the session's own graph)
+            # the user's model's producer, as onnxruntime-training 1.16.3's dumps keep it
+            dump.producer_name, dump.producer_version = model.producer_name, model.producer_version
+            try:
+                save_dump(dump, path, where, missing_folder=missing_folder)
+            finally:
+                dump.producer_name, dump.producer_version = built
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

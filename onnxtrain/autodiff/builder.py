@@ -50,7 +50,6 @@ from onnxtrain.ir.graphs import (
     path_to,
     rename_values,
 )
-from onnxtrain.version import PRODUCER
 
 
 def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeProto, int]],
@@ -697,7 +696,9 @@ def build_gradient_model(
     keep = _live_nodes(nodes, [o.name for o in outs])
     result = helper.make_model(
         helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs),
-        opset_imports=list(model.opset_import), **PRODUCER, ir_version=model.ir_version,
+        opset_imports=list(model.opset_import), ir_version=model.ir_version,
+        # (the model's producer, as onnxruntime-training's GradientGraphBuilder keeps it: 1.16.3 and 1.19.2)
+        producer_name=model.producer_name, producer_version=model.producer_version,
     )
     result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)
