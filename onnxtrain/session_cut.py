@@ -132,19 +132,27 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         holding the same part in every replica (None with one replica)."""
         self.data_parallel_rank = replica
         self._reducer: BucketReducer | None = None
+        # the half gradients _take_means left as float32 sums (name → type) and their count of terms
+        self._wide_sums: tuple[dict[str, np.dtype], int] = ({}, 1)
         many = self.data_parallel_size > 1
         self._comm = comm.split(replica, part, f"forming the {what}") if many else comm
         self._data = comm.split(part, replica, "forming the data-parallel groups") if many else None
 
     def _replicas_average(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``grads`` averaged over the data-parallel replicas (each holds the same part of the model)."""
+        """``grads`` averaged over the data-parallel replicas (each holds the same part of the model). Half
+        gradients that :meth:`_take_means` left as float32 sums are scaled after the sum over the replicas by
+        1/(count·replicas) and cast once, as one process's accumulation buffer is."""
+        half, count = self._wide_sums
+        self._wide_sums = ({}, 1)
         if self._data is None or not grads:
             return grads
         if self._reducer is None:
             self._reducer = BucketReducer(
-                self._data, [g.shape for g in grads.values()], [g.dtype for g in grads.values()]
+                self._data, [g.shape for g in grads.values()],
+                [half.get(k, g.dtype) for k, g in grads.items()],
             )
-        return dict(zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / self.data_parallel_size)))
+        d = self.data_parallel_size
+        return dict(zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / d, 1.0 / (count * d))))
 
     def _interface(self, model: onnx.ModelProto, gradients: Sequence[str] = ()) -> None:
         """The whole model's inputs (and the learning rate) and outputs, as one process's session has;
@@ -304,6 +312,9 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         """The means of the accumulation that ends, over the ``count`` gradients its sums hold; the next one
         starts from nothing."""
         sums, self._summed, self._micro_step = self._summed, GradientSums(), 0
+        if self._data is not None and self._mode != "adasum":  # averaged over the replicas next: the half
+            self._wide_sums = (sums.half_types(), count)  # gradients stay float32 sums until then
+            return sums.means(count, wide=True)
         return sums.means(count)
 
     def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:
@@ -513,15 +524,23 @@ class GradientSums:
         else:
             self._sums[name] = np.array(g, copy=True)
 
-    def means(self, count: int) -> dict[str, np.ndarray]:
+    def means(self, count: int, wide: bool = False) -> dict[str, np.ndarray]:
         """The sums over ``count`` terms as means, times 1/count as one process's graph scales its buffers, in
-        each gradient's own type."""
+        each gradient's own type. ``wide``: the half gradients' float32 sums as they are (the caller scales
+        and casts them, after summing them over replicas)."""
         out = {}
         for name, total in self._sums.items():
-            mean = total * total.dtype.type(1.0 / count) if count > 1 else total
             half = self._types.get(name)
+            if half is not None and wide:
+                out[name] = total
+                continue
+            mean = total * total.dtype.type(1.0 / count) if count > 1 else total
             out[name] = mean if half is None else mean.astype(half)
         return out
+
+    def half_types(self) -> dict[str, np.dtype]:
+        """The half-precision gradients' own types, by name (their sums are float32)."""
+        return dict(self._types)
 
 
 def squared_sum(arrays: Iterable[np.ndarray]) -> float:

@@ -207,6 +207,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         h, d = self._params.horizontal_parallel_size, self.data_parallel_size
         self.data_parallel_rank = replica
         self._reducer = None
+        self._wide_sums = ({}, 1)  # (as SessionCut._groups)
         self._stage, self._stages = stage, stages
         split = comm.split
         self._comm = comm if comm.size == h else split(stage * d + replica, share, "forming the split groups")

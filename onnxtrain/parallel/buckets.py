@@ -47,9 +47,12 @@ class BucketReducer:
             self.chunks += [buf[i:i + step] for i in range(0, buf.size, step)]
         self.nbytes = sum(b.nbytes for b in self.flat.values())
 
-    def reduce(self, arrays: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+    def reduce(self, arrays: Sequence[np.ndarray], scale: float = 1.0,
+               wide_scale: float | None = None) -> list[np.ndarray]:
         """``scale · Σ_ranks arrays[i]`` for every i, as views of the reducer's buffers (of the given dtypes;
-        valid until the next call)."""
+        valid until the next call). ``wide_scale``: the factor of the half-precision gradients instead, when
+        they are given as float32 sums that one process would scale by another count (default ``scale``)."""
+        half_scale = scale if wide_scale is None else wide_scale
         if len(arrays) != len(self.views):
             raise ValueError(f"expected {len(self.views)} gradients, got {len(arrays)}")
         for i, (a, v) in enumerate(zip(arrays, self.wire)):
@@ -66,7 +69,7 @@ class BucketReducer:
         for w, v in zip(self.wire, self.views):
             if v is not w:  # the float32 sum times the float32 factor, cast to the half type (one process's);
                 with np.errstate(over="ignore"):  # a sum past the half type's range is ±inf, as MPI's was
-                    np.copyto(v, w * np.float32(scale) if scale != 1.0 else w, casting="unsafe")
+                    np.copyto(v, w * np.float32(half_scale) if half_scale != 1.0 else w, casting="unsafe")
         return self.views
 
 
