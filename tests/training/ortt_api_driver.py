@@ -407,6 +407,7 @@ def edges(A, c, folder, data, out):
     P("set_lr_nan", lambda: [o.set_learning_rate(float("nan")), str(o.get_learning_rate())])
     P("set_lr_huge", lambda: [o.set_learning_rate(1e39), o.get_learning_rate()])
     P("set_lr_tiny", lambda: [o.set_learning_rate(1e-46), o.get_learning_rate()])
+    P("set_lr_bool", lambda: [o.set_learning_rate(True), o.get_learning_rate()])
     # an int past float64's range: 1.19.2's binding refuses it as a TypeError (an int past float32's is +inf)
     P("set_lr_int_past_float64", lambda: o.set_learning_rate(10**400))
     P("set_lr_int_past_float32", lambda: [o.set_learning_rate(10**40), o.get_learning_rate()])
