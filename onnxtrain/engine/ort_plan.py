@@ -650,12 +650,18 @@ def _still_bound(held: tuple | None, v: np.ndarray) -> bool:
 
 
 def _bfloat16_hint(model: onnx.ModelProto, err: Exception) -> str:
-    """For onnxruntime's NOT_IMPLEMENTED on a graph that casts to bfloat16 (mixed precision): what to do."""
+    """For onnxruntime's NOT_IMPLEMENTED on a graph with bfloat16 values (a bfloat16 model's, or mixed
+    precision's casts): what to do."""
     if "NOT_IMPLEMENTED" not in str(err):
         return ""
-    bf16 = onnx.TensorProto.BFLOAT16
+    bf16, g = onnx.TensorProto.BFLOAT16, model.graph
+    held = [v.name for v in g.input if v.type.tensor_type.elem_type == bf16]
+    held += [t.name for t in g.initializer if t.data_type == bf16]
+    if held:  # a bfloat16 model (or bfloat16 state fed in): its own type, not a cast's
+        return (f"; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph, whose "
+                f"{held[0]!r} is bfloat16: train it on the numpy engine (the default backend)")
     if not any(n.op_type == "Cast" and any(a.name == "to" and a.i == bf16 for a in n.attribute)
-               for n in model.graph.node):
+               for n in g.node):
         return ""
     return ("; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph (bfloat16 mixed "
             "precision): train on the numpy engine (the default backend) or with float16")

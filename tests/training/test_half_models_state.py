@@ -213,12 +213,6 @@ def test_cli_resume_of_a_float16_model_is_bit_for_bit(tmp_path: Path) -> None:
         np.testing.assert_array_equal(wa[k].view(np.uint16), wb[k].view(np.uint16), err_msg=k)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "onnxtrain/engine/ort_plan.py _bfloat16_hint (not helper P's file) explains onnxruntime's "
-    "NOT_IMPLEMENTED for any graph that casts to bfloat16 as '(bfloat16 mixed precision) ... or with "
-    "float16': a bfloat16 model without mixed precision gets that hint too (its update casts to "
-    "bfloat16); fix: say mixed precision only when the session uses it, else that the model's bfloat16 "
-    "ops have no CPU kernel there"))
 def test_onnxruntime_backend_refuses_a_bfloat16_model_without_blaming_mixed_precision() -> None:
     pytest.importorskip("onnxruntime")
     from onnxtrain import SessionOptions
