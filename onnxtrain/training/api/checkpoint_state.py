@@ -55,8 +55,11 @@ def _saved_learning_rate(value: int | float | str | None, step: int, digest: str
     """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` and the
     parameters' ``digest`` (a float: a file of an onnxtrain that recorded neither; a value without a digest:
     one that recorded only the step); None for another step or digest, and for a value that is not a finite
-    rate (with a warning: such a property was not written by onnxtrain)."""
+    rate (with a warning: such a property was not written by onnxtrain). A rate set past float32's range
+    (+-inf, NaN: taken as onnxruntime-training takes it) comes back as saved when it carries its step and
+    digest."""
     lr: float | None = None
+    ours = False  # a value in the "<lr>@<step>#<digest>" form onnxtrain writes
     if isinstance(value, float):
         lr = value
     elif isinstance(value, str):
@@ -65,10 +68,10 @@ def _saved_learning_rate(value: int | float | str | None, step: int, digest: str
         try:
             if int(at) != step or (hashed and recorded != digest):
                 return None
-            lr = float(text)
+            lr, ours = float(text), bool(hashed)
         except ValueError:
             lr = None
-    if value is not None and (lr is None or not math.isfinite(lr)):
+    if value is not None and (lr is None or not (ours or math.isfinite(lr))):
         warn(f"ignoring checkpoint property {LEARNING_RATE_PROPERTY}={value!r}: not a learning rate "
              "onnxtrain wrote; the optimizer starts from the default learning rate")
         return None
