@@ -83,6 +83,8 @@ def session(kind: str, mode: str, accumulation: int = STEPS):
         p.pipeline_parallel_size, p.pipeline_cut_info_string, p.num_pipeline_micro_batches = 2, "r", MICRO
     elif mode == "horizontal":
         p.horizontal_parallel_size = 2
+    elif mode == "zero":
+        p.deepspeed_zero_stage = 1
     return TrainingSession(model(kind).SerializeToString(), p)
 
 

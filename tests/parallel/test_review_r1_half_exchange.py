@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 
 from tests.parallel.conftest import run_mpi
-from tests.parallel.test_half_sums_cut import LR, NP, STEPS, model
+from tests.parallel.test_half_sums_cut import LR, MICRO, NP, STEPS, session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MICRO = 2  # the pipeline's micro-batches per run
 # mode → data-parallel replicas on 4 ranks
 MODES = {"allreduce": 4, "zero": 4, "pipeline": 2, "horizontal": 2}
 
@@ -66,21 +65,6 @@ def steps(kind: str) -> list[dict[str, np.ndarray]]:
 def replica_feeds(feeds: dict[str, np.ndarray], replica: int, replicas: int) -> dict[str, np.ndarray]:
     """A replica's rows of a run's batch."""
     return {k: np.split(v, replicas)[replica] for k, v in feeds.items()}
-
-
-def session(kind: str, mode: str, accumulation: int = STEPS):
-    from onnxtrain import TrainingParameters, TrainingSession
-
-    p = TrainingParameters()
-    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
-    p.gradient_accumulation_steps, p.gradient_accumulation_mode = accumulation, "auto"
-    if mode == "pipeline":
-        p.pipeline_parallel_size, p.pipeline_cut_info_string, p.num_pipeline_micro_batches = 2, "r", MICRO
-    elif mode == "horizontal":
-        p.horizontal_parallel_size = 2
-    elif mode == "zero":
-        p.deepspeed_zero_stage = 1
-    return TrainingSession(model(kind).SerializeToString(), p)
 
 
 def one_process(kind: str, replicas: int, micro: int) -> dict[str, np.ndarray]:

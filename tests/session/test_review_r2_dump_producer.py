@@ -15,26 +15,18 @@ import json
 import os
 import warnings
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from tests.ortt import ensure_ort_legacy, run_script
+from tests.training.test_review_r1_session_config_entries import legacy_peer_model
 
 DUMPS = {"training": "model_with_training_graph_path", "gradient": "model_with_gradient_graph_path",
          "transformed": "model_after_graph_transforms_path", "optimized": None}
 
 
 def _model() -> onnx.ModelProto:
-    """loss = sum(x · W), W of 12 values (1.16.3 renames a weight of 8 or fewer), IR 8 for 1.16.3's onnx."""
-    w = numpy_helper.from_array((np.arange(12, dtype=np.float32).reshape(3, 4) + 1) / 7, "W")
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"]),
-                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
-                             producer_name="pytorch", producer_version="2.13.0")
+    return legacy_peer_model(producer_name="pytorch", producer_version="2.13.0")
 
 
 def _make(lib, path: str, folder: str, dumps: dict) -> object:

@@ -27,14 +27,18 @@ DENORMAL, NO_CPU_FALLBACK = "session.set_denormal_as_zero", "session.disable_cpu
 X = np.full((2, 3), 1e-40, np.float32)  # the loss sum(x · W) is subnormal: 2.2e-39
 
 
-def _model() -> onnx.ModelProto:
-    """loss = sum(x · W), W of 12 values (1.16.3 renames a weight of 8 or fewer), IR 8 for 1.16.3's onnx."""
+def legacy_peer_model(**fields: str) -> onnx.ModelProto:
+    """loss = sum(x · W), W of 12 values (1.16.3 renames a weight of 8 or fewer), IR 8 for 1.16.3's onnx;
+    ``fields``: ModelProto fields such as producer_name."""
     w = numpy_helper.from_array((np.arange(12, dtype=np.float32).reshape(3, 4) + 1) / 7, "W")
     g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"]),
                            helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                           [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8, **fields)
+
+
+_model = legacy_peer_model
 
 
 _ORT_MODULE = PREAMBLE + r"""
