@@ -182,6 +182,7 @@ class Optimizer(Block):
         new: dict[str, str] = {}
         grads = list(gradients)
         wide: dict[str, str] = {}
+        wide_type = TensorProto.FLOAT
         flag = None
         if loss_scale is not None:
             unscaled, flag, scales = self._unscale(acc, grads, loss_scale)
@@ -192,7 +193,9 @@ class Optimizer(Block):
         elif self.clip_grad is not None:
             with_clip = self.clip_grad.clip(*grads)
             new.update(zip(grads, with_clip[0]))
-            wide = {g: w for g, c, w in zip(grads, *with_clip) if w != c}  # half ones, clipped in float32
+            # half ones, clipped in the norm's type (float32; float64 when a gradient is float64)
+            wide_type = norm_type([acc.float_type_of(g) for g in grads])
+            wide = {g: w for g, c, w in zip(grads, *with_clip) if w != c}
             grads = list(with_clip[0])
         lr = acc.node("Squeeze", [learning_rate], "learning_rate")[0]  # [1] -> scalar: keeps param shapes
         t = acc.node("Squeeze", [step], "step")[0]
@@ -204,7 +207,7 @@ class Optimizer(Block):
             kept = {key: states[key][k] for key in self.state_names}
             if wide.get(gradients[k]) is not None and et != acc.float_type_of(p):
                 # a half parameter that steps in float32 reads its clipped gradient before that is rounded
-                self._widened = (g, wide[gradients[k]])
+                self._widened = (g, wide[gradients[k]], wide_type)
             try:
                 new.update(self.update(acc, shared[et], p, g, kept))
             finally:
@@ -238,7 +241,8 @@ class Optimizer(Block):
             out.append(acc.node("Div", [g, divs[t]], "unscaled_gradient")[0])
         return out, flag, scales
 
-    _widened: tuple[str, str] | None = None  # (a half gradient, its float32 value before rounding)
+    # (a half gradient, its value before rounding, that value's type: the clip's norm type)
+    _widened: tuple[str, str, int] | None = None
 
     def compute_type(self, elem_type: int) -> int:
         """The type the update of a parameter of ``elem_type`` computes in (its own)."""
@@ -246,9 +250,10 @@ class Optimizer(Block):
 
     def widen(self, acc: ModelBase, x: str, have: int, want: int) -> str:
         """``x`` of type ``have`` as type ``want``: a Cast, or the float32 value a half clipped gradient was
-        rounded from (:meth:`ClipGradNorm.clip`)."""
-        if self._widened is not None and x == self._widened[0] and want == TensorProto.FLOAT:
-            return self._widened[1]
+        rounded from (:meth:`ClipGradNorm.clip`; float64 when another gradient is float64, then cast to
+        ``want``)."""
+        if self._widened is not None and x == self._widened[0]:
+            return _as_type(acc, self._widened[1], self._widened[2], want)
         return _as_type(acc, x, have, want)
 
     def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
