@@ -211,10 +211,10 @@ def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndar
     weights written from ``weights`` as they are (no proto copy of them, no whole serialization).
 
     A model whose data inputs declare one fixed batch size (a torch export without ``dynamic_axes``) is
-    written with a symbolic batch axis (``batch``) when it runs at other batch sizes (tried at 1 and 2
-    rows); otherwise it keeps the fixed size and a warning on stderr says why. A built-in model names
-    onnxtrain and its version as its producer; a model from ``model.path`` keeps its own, as
-    onnxruntime-training's export_model_for_inferencing keeps the base model's."""
+    written with a symbolic batch axis (``batch``) when it runs at other batch sizes and its rows do not mix
+    (tried at 1, 2, the fixed size and twice it); otherwise it keeps the fixed size and a warning on stderr
+    says why. A built-in model names onnxtrain and its version as its producer; a model from ``model.path``
+    keeps its own, as onnxruntime-training's export_model_for_inferencing keeps the base model's."""
     m, arrays = inference_parts(model, [cfg.model.logits], weights)
     if cfg.model.builder is not None:  # onnxtrain made the model; a user's keeps its producer, as
         m.producer_name, m.producer_version = "onnxtrain", __version__  # export_model_for_inferencing's
@@ -320,8 +320,9 @@ def _reshapes_keep_rows(g: onnx.GraphProto, fixed: int) -> int:
 def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
                        arrays: Sequence[tuple[str, np.ndarray]], fixed: int) -> str | None:
     """None when ``free`` runs on the numpy engine at 1, 2 and ``fixed`` rows, each output's first axis
-    that many rows, each row of the 2-row run alike when run alone (the rows do not mix), and at ``fixed``
-    rows the outputs of ``fixed_model``; else what went wrong."""
+    that many rows, each row of the 2-row run alike when run alone (the rows do not mix), at ``fixed``
+    rows the outputs of ``fixed_model``, and at twice ``fixed`` rows its outputs on each half (rows that mix
+    further apart); else what went wrong."""
     from onnxtrain.engine.backends import make_plan
 
     def plan_of(model: onnx.ModelProto) -> tuple[Any, onnx.GraphProto]:
@@ -334,26 +335,37 @@ def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
     held = {t.name for t in free.graph.initializer} | {n for n, _ in arrays}
     rng = np.random.default_rng(0)
     results: list[tuple[list, dict[str, Any]]] = []
+    at = 1  # (the rows of the run under way, for the reason of a failure)
     try:
         plan, g = plan_of(free)
-        for rows in (1, 2, fixed):
+        for at in (1, 2, fixed):
             feeds: dict[str, Any] = dict(arrays)
             for v in g.input:
                 if v.name in held:
                     continue
                 tt = v.type.tensor_type
-                shape = [rows, *(d.dim_value if d.HasField("dim_value") else 1 for d in tt.shape.dim[1:])]
+                shape = [at, *(d.dim_value if d.HasField("dim_value") else 1 for d in tt.shape.dim[1:])]
                 feeds[v.name] = _trial_rows(rng, shape, np_dtype(tt.elem_type))
                 if results:  # (row 0 as at 1 row)
                     feeds[v.name][:1] = results[0][1][v.name]
             results.append((plan.run(feeds), feeds))
         # (the second row of the 2-row run alone: a mix that leaves the first row as it was, a cumulative
         # sum over the rows, shows there)
+        at = 1
         second = plan.run({k: (a[1:2] if k not in held else a) for k, a in results[1][1].items()})
-        want = plan_of(fixed_model)[0].run(results[-1][1])
+        at = fixed
+        fixed_plan = plan_of(fixed_model)[0]
+        want = fixed_plan.run(results[-1][1])
+        # (two batches of the fixed size in one run against the fixed model on each: rows that mix further
+        # apart than the 2-row runs see, row k reading row k - 2, show at the seam)
+        later = {k: (_trial_rows(rng, list(a.shape), a.dtype) if k not in held else a)
+                 for k, a in results[-1][1].items()}
+        at = 2 * fixed
+        both = plan.run({k: (np.concatenate([a, later[k]]) if k not in held else a)
+                         for k, a in results[-1][1].items()})
+        want_later = fixed_plan.run(later)
     except Exception as e:  # noqa: BLE001 - any failure at another batch size keeps the fixed one
-        rows = (1, 2, fixed, 1)[min(len(results), 3)]
-        return f"at {rows} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
+        return f"at {at} rows instead of {fixed} it fails ({str(e).splitlines()[0][:300]})"
     for rows, (outs, _) in zip((1, 2, fixed), results):
         for o, a in zip(g.output, outs):
             if np.ndim(a) == 0 or np.shape(a)[0] != rows:
@@ -371,6 +383,10 @@ def _runs_at_any_batch(free: onnx.ModelProto, fixed_model: onnx.ModelProto,
     for o, a, b in zip(g.output, results[2][0], want):
         if not alike(a, b, 1e-5):
             return f"at {fixed} rows output {o.name!r} differs from the fixed model's"
+    for o, a, b, c in zip(g.output, both, want, want_later):
+        if not (alike(a[:fixed], b, 1e-3) and alike(a[fixed:], c, 1e-3)):
+            return (f"output {o.name!r}'s rows change with the other rows (the rows mix: at {2 * fixed} rows "
+                    f"not the fixed model's values on each {fixed})")
     return None
 
 
