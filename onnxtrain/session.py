@@ -7,10 +7,11 @@ inputs and return the new values, which are swapped into the store without copyi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -167,6 +168,33 @@ def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
     return half_scatters_in_float32(model)
 
 
+_DESCRIPTION = ("producer_name", "producer_version", "doc_string", "domain", "model_version")
+
+
+@contextlib.contextmanager
+def described_as(dump: onnx.ModelProto, model: onnx.ModelProto) -> Iterator[onnx.ModelProto]:
+    """``dump`` carrying ``model``'s description while the block runs, as onnxruntime-training 1.16.3's
+    dumps keep the user's model's: producer name and version, doc_string, domain, model_version,
+    metadata_props (but its onnxtrain.* keys, which describe what onnxtrain made of it before; the dump's own
+    keys after them) and graph name. Put back afterwards: the dump may be the session's own graph."""
+    kept = [getattr(dump, f) for f in _DESCRIPTION], list(dump.metadata_props), dump.graph.name
+    props = {p.key: p.value for p in model.metadata_props if not p.key.startswith("onnxtrain.")}
+    props.update((p.key, p.value) for p in kept[1])
+    for f in _DESCRIPTION:
+        setattr(dump, f, getattr(model, f))
+    onnx.helper.set_model_props(dump, props)
+    if model.graph.name:
+        dump.graph.name = model.graph.name
+    try:
+        yield dump
+    finally:
+        for f, value in zip(_DESCRIPTION, kept[0]):
+            setattr(dump, f, value)
+        del dump.metadata_props[:]
+        dump.metadata_props.extend(kept[1])
+        dump.graph.name = kept[2]
+
+
 class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
     """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
 
@@ -296,13 +324,8 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         unlisted = {p.loss_output_name} - {o.name for o in model.graph.output}  # (see self._outputs below)
         for where, path, kind, missing_folder in requested_dumps(p, self._sess_options):
             dump = dumped_graph(graphs[kind], self._store, g.training_mode_default, unlisted)
-            built = dump.producer_name, dump.producer_version  # (the dump may be the session's own graph)
-            # the user's model's producer, as onnxruntime-training 1.16.3's dumps keep it
-            dump.producer_name, dump.producer_version = model.producer_name, model.producer_version
-            try:
+            with described_as(dump, model):
                 save_dump(dump, path, where, missing_folder=missing_folder)
-            finally:
-                dump.producer_name, dump.producer_version = built
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
