@@ -20,7 +20,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "review_r5_sta
 
 @pytest.mark.mpi
 @pytest.mark.xfail(strict=True, reason="onnxtrain/session_pipeline.py (not this reviewer's file): the stage "
-                   "dumps name onnxtrain or nobody, not the model's producer as session.py's dumps do")
+                   "dumps name onnxtrain or nobody, not the model's producer as session.py's dumps do "
+                   "(session.described_as gives a dump the model's description)")
 def test_stage_dumps_keep_the_models_producer(tmp_path) -> None:
     r = run_mpi(str(tmp_path), n=2, worker=WORKER, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
