@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import yaml
 
+FLOAT32_MAX = (2 - 2 ** -23) * 2 ** 127  # float32's largest value, the largest rate the loop can feed
+
 
 class ConfigError(ValueError):
     """A bad configuration value; ``str()`` is one line: ``key.path: what was expected``."""
@@ -496,6 +498,9 @@ def validate(cfg: Config) -> Config:
     o = cfg.optimizer
     if not (math.isfinite(o.lr) and o.lr > 0):
         raise ConfigError("optimizer.lr", f"expected a positive number, got {o.lr}")
+    if o.lr > FLOAT32_MAX:  # (the rate is fed as float32: it would be +inf)
+        raise ConfigError("optimizer.lr", f"expected at most float32's largest value {FLOAT32_MAX:.7g}, got "
+                                          f"{o.lr}")
     for k, zero_ok in (("eps", True), ("weight_decay", True), ("clip_grad_norm", False)):
         v = getattr(o, k)
         if v is not None and not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
