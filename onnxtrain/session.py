@@ -177,7 +177,9 @@ def described_as(dump: onnx.ModelProto, model: onnx.ModelProto) -> Iterator[onnx
     dumps keep the user's model's: producer name and version, doc_string, domain, model_version,
     metadata_props (but its onnxtrain.* keys, which describe what onnxtrain made of it before; the dump's own
     keys after them) and graph name. Put back afterwards: the dump may be the session's own graph."""
-    kept = [getattr(dump, f) for f in _DESCRIPTION], list(dump.metadata_props), dump.graph.name
+    # (each field's value or None when unset: proto2 fields set to their default would be written)
+    kept = ([getattr(dump, f) if dump.HasField(f) else None for f in _DESCRIPTION], list(dump.metadata_props),
+            dump.graph.name if dump.graph.HasField("name") else None)
     props = {p.key: p.value for p in model.metadata_props if not p.key.startswith("onnxtrain.")}
     props.update((p.key, p.value) for p in kept[1])
     for f in _DESCRIPTION:
@@ -189,10 +191,16 @@ def described_as(dump: onnx.ModelProto, model: onnx.ModelProto) -> Iterator[onnx
         yield dump
     finally:
         for f, value in zip(_DESCRIPTION, kept[0]):
-            setattr(dump, f, value)
+            if value is None:
+                dump.ClearField(f)
+            else:
+                setattr(dump, f, value)
         del dump.metadata_props[:]
         dump.metadata_props.extend(kept[1])
-        dump.graph.name = kept[2]
+        if kept[2] is None:
+            dump.graph.ClearField("name")
+        else:
+            dump.graph.name = kept[2]
 
 
 class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):

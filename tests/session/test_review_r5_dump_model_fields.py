@@ -56,3 +56,24 @@ def test_dumps_and_the_builders_model_keep_the_models_fields_as_1_16_3(tmp_path)
     for kind in DUMPS:
         got[kind] = _fields(onnx.load(os.path.join(ours, kind + ".onnx"), load_external_data=False))
     assert got == want
+
+
+def test_a_dump_is_put_back_byte_for_byte() -> None:
+    """The dump may be the session's own graph: after the save it serializes as before (fields that were
+    unset stay unset, not set to their defaults), with or without a graph name."""
+    from onnxtrain.session import described_as
+
+    for name in ("training_graph", None):
+        graph = onnx.helper.make_graph([], name or "", [], [])
+        dump = onnx.helper.make_model(graph, producer_name="onnxtrain", producer_version="0.1.0")
+        if name is None:
+            dump.graph.ClearField("name")
+        onnx.helper.set_model_props(dump, {"onnxtrain.same_size_dims": "{}", "shared": "the dump's"})
+        model = _model()
+        onnx.helper.set_model_props(model, {"shared": "the model's", "onnxtrain.stale": "1", "author": "R5"})
+        before = dump.SerializeToString()
+        with described_as(dump, model):
+            assert _fields(dump)[:5] == _fields(model)[:5] and dump.graph.name == model.graph.name
+            assert {p.key: p.value for p in dump.metadata_props} == {
+                "shared": "the dump's", "author": "R5", "onnxtrain.same_size_dims": "{}"}
+        assert dump.SerializeToString() == before
