@@ -52,7 +52,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session import all_or_nothing, dumped_graph, requested_dumps, serialized
+from onnxtrain.session import all_or_nothing, described_as, dumped_graph, requested_dumps, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -141,8 +141,9 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             root, ext = os.path.splitext(path)
             # the stage's state, its Dropouts' shared training_mode and half scatters as the session's dumps
             dump = dumped_graph(sg.graphs[stage_graph[kind]], self._store, dropout_mode(model))
-            save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where,
-                      missing_folder=missing_folder)
+            with described_as(dump, model):  # (the user's model's producer and description, as 1.16.3's)
+                save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where,
+                          missing_folder=missing_folder)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
 

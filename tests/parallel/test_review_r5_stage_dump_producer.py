@@ -1,10 +1,10 @@
 """Review R5 of 11b96cdb: the legacy session's dumps keep the user's model's producer name and version, as
 onnxruntime-training 1.16.3's do (tests/session/test_review_r2_dump_producer.py), and the README says a
 pipeline stage's dumps are written as the single-process session's. A two-stage pipeline session's stage
-dumps (``<root>.stage<k>.onnx``) did not follow: stage 0's gradient, training and optimized dumps name
-onnxtrain 0.1.0, the rest an empty producer. 1.16.3's CPU wheel runs no pipeline (no world size above 1), so
-the oracle is the single-process session's rule. The fix is in onnxtrain/session_pipeline.py
-(PipelineSession._build_stage writes the stage dumps), not this reviewer's file."""
+dumps (``<root>.stage<k>.onnx``) did not follow: stage 0's gradient, training and optimized dumps named
+onnxtrain 0.1.0, the rest an empty producer (now session.described_as, as the single-process dumps).
+1.16.3's CPU wheel runs no pipeline (no world size above 1), so the oracle is the single-process session's
+rule."""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "review_r5_sta
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="onnxtrain/session_pipeline.py (not this reviewer's file): the stage "
-                   "dumps name onnxtrain or nobody, not the model's producer as session.py's dumps do "
-                   "(session.described_as gives a dump the model's description)")
 def test_stage_dumps_keep_the_models_producer(tmp_path) -> None:
     r = run_mpi(str(tmp_path), n=2, worker=WORKER, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
