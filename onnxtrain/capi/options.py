@@ -188,7 +188,8 @@ class SessionOptions(_Fields):
         return out
 
     def add_session_config_entry(self, key: str, value: str) -> None:
-        self._config[_config_str("add_session_config_entry", key, value)] = value
+        key, value = _config_str("add_session_config_entry", key, value)
+        self._config[key] = value
 
     def add_initializer(self, name: str, value: Any) -> None:
         """Use ``value`` (an OrtValue or array) for the model's initializer ``name`` in the sessions made with
@@ -234,6 +235,7 @@ class SessionOptions(_Fields):
         self._dims[("denotation", str(dim_denotation))] = int(dim_value)
 
     def get_session_config_entry(self, key: str) -> str:
+        key = _c_string(key) if isinstance(key, str) else key
         if key not in self._config:
             raise FailKeyError(f"SessionOptions does not have configuration with key: {key}")
         return self._config[key]
@@ -248,12 +250,18 @@ class SessionOptions(_Fields):
              "model using the library's ops is refused when a session loads it")
 
 
-def _config_str(method: str, key: Any, value: Any) -> str:
-    """``key``, after checking that it and ``value`` are str, as onnxruntime's binding takes only those."""
+def _config_str(method: str, key: Any, value: Any) -> tuple[str, str]:
+    """``key`` and ``value``, after checking that they are str, as onnxruntime's binding takes only those;
+    each up to its first NUL character, as onnxruntime reads them (C strings)."""
     if not isinstance(key, str) or not isinstance(value, str):
         raise TypeError(f"{method}() takes a str key and a str value, got {type(key).__name__} and "
                         f"{type(value).__name__}")
-    return key
+    return _c_string(key), _c_string(value)
+
+
+def _c_string(text: str) -> str:
+    """``text`` up to its first NUL character."""
+    return text.partition("\x00")[0]
 
 
 class RunOptions(_Fields):
@@ -293,9 +301,11 @@ class RunOptions(_Fields):
                 linked.terminate = bool(self.terminate)
 
     def add_run_config_entry(self, key: str, value: str) -> None:
-        self._config[_config_str("add_run_config_entry", key, value)] = value
+        key, value = _config_str("add_run_config_entry", key, value)
+        self._config[key] = value
 
     def get_run_config_entry(self, key: str) -> str:
+        key = _c_string(key) if isinstance(key, str) else key
         if key not in self._config:
             raise FailKeyError(f"RunOptions does not have configuration with key: {key}")
         return self._config[key]
