@@ -651,20 +651,27 @@ def _still_bound(held: tuple | None, v: np.ndarray) -> bool:
 
 def _bfloat16_hint(model: onnx.ModelProto, err: Exception) -> str:
     """For onnxruntime's NOT_IMPLEMENTED on a graph with bfloat16 values (a bfloat16 model's, or mixed
-    precision's casts): what to do."""
+    precision's casts): what to do. Mixed precision casts float32 weights to bfloat16; a stage of a cut
+    session's mixed-precision graph also receives bfloat16 activations or gradients, which alone do not make
+    it a bfloat16 model."""
     if "NOT_IMPLEMENTED" not in str(err):
         return ""
     bf16, g = onnx.TensorProto.BFLOAT16, model.graph
+    casts = [n for n in g.node
+             if n.op_type == "Cast" and any(a.name == "to" and a.i == bf16 for a in n.attribute)]
+    wide = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
+    given = {v.name for v in g.input if v.type.tensor_type.elem_type in wide}
+    given |= {t.name for t in g.initializer if t.data_type in wide}
+    mixed = ("; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph (bfloat16 mixed "
+             "precision): train on the numpy engine (the default backend) or with float16")
+    if any(n.input and n.input[0] in given for n in casts):  # a float32 weight cast: mixed precision
+        return mixed
     held = [v.name for v in g.input if v.type.tensor_type.elem_type == bf16]
     held += [t.name for t in g.initializer if t.data_type == bf16]
     if held:  # a bfloat16 model (or bfloat16 state fed in): its own type, not a cast's
         return (f"; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph, whose "
                 f"{held[0]!r} is bfloat16: train it on the numpy engine (the default backend)")
-    if not any(n.op_type == "Cast" and any(a.name == "to" and a.i == bf16 for a in n.attribute)
-               for n in g.node):
-        return ""
-    return ("; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph (bfloat16 mixed "
-            "precision): train on the numpy engine (the default backend) or with float16")
+    return mixed if casts else ""
 
 
 def _invalid_node(e: Exception) -> bool:
