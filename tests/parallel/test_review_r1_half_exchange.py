@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -67,16 +68,18 @@ def replica_feeds(feeds: dict[str, np.ndarray], replica: int, replicas: int) -> 
     return {k: np.split(v, replicas)[replica] for k, v in feeds.items()}
 
 
-def one_process(kind: str, replicas: int, micro: int) -> dict[str, np.ndarray]:
-    """One process accumulating every replica's micro-batches of the three runs before its one update."""
-    sess = session(kind, "one", STEPS * replicas * micro)
+def one_process(kind: str, replicas: int, micro: int, make: Callable | None = None,
+                lr: np.ndarray = LR) -> dict[str, np.ndarray]:
+    """One process accumulating every replica's micro-batches of the three runs before its one update;
+    ``make(kind, accumulation_steps)``: its session (default: SGD, :func:`session`)."""
+    sess = (make or (lambda k, n: session(k, "one", n)))(kind, STEPS * replicas * micro)
     for feeds in steps(kind):
         for d in range(replicas):
             mine = replica_feeds(feeds, d, replicas)
             for k in range(micro):
                 part = {n: np.split(v, micro)[k] for n, v in mine.items()}
-                sess.run(["loss"], {**part, "Learning_Rate": LR})
-    return {k: v.astype(np.float32) for k, v in sess.get_state().items()}
+                sess.run(["loss"], {**part, "Learning_Rate": lr})
+    return {k: np.asarray(v).astype(np.float32) for k, v in sess.get_state().items()}
 
 
 @pytest.fixture(scope="module")

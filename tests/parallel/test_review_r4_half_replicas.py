@@ -20,7 +20,7 @@ import pytest
 
 from tests.parallel.conftest import run_mpi
 from tests.parallel.test_half_sums_cut import NP, STEPS, model
-from tests.parallel.test_review_r1_half_exchange import replica_feeds, steps
+from tests.parallel.test_review_r1_half_exchange import one_process as one_process_sgd
 from tests.tiers import extended
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,14 +70,8 @@ def session(kind: str, mode: str, exchange: str | None, accumulation: int = STEP
 
 
 def one_process(kind: str, replicas: int, micro: int) -> dict[str, np.ndarray]:
-    sess = session(kind, "one", None, STEPS * replicas * micro)
-    for feeds in steps(kind):
-        for d in range(replicas):
-            mine = replica_feeds(feeds, d, replicas)
-            for k in range(micro):
-                part = {n: np.split(v, micro)[k] for n, v in mine.items()}
-                sess.run(["loss"], {**part, "Learning_Rate": LR})
-    return {k: np.asarray(v).astype(np.float32) for k, v in sess.get_state().items()}
+    """One process accumulating the same micro-batches with this file's Adam session."""
+    return one_process_sgd(kind, replicas, micro, lambda k, n: session(k, "one", None, n), LR)
 
 
 @pytest.fixture(scope="module", params=[extended(4, id="4"), extended(2, id="2")])
