@@ -140,7 +140,7 @@ def test_any_batch_export_cases() -> None:
     rows."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from onnxtrain.train.outputs import any_batch_export
+    from onnxtrain.train.free_batch import any_batch_export
 
     f = TensorProto.FLOAT
     vi = helper.make_tensor_value_info
@@ -178,7 +178,7 @@ class _Cnn(nn.Module):
 def test_static_cnn_export_takes_any_batch(dynamo: bool) -> None:
     """A CNN whose flatten torch exports as a Reshape to [16, 144] (allowzero = 1 from dynamo; dynamo's case
     takes a few seconds: full suite): freed, and onnxruntime at 7 rows gives torch's outputs."""
-    from onnxtrain.train.outputs import any_batch_export
+    from onnxtrain.train.free_batch import any_batch_export
 
     torch.manual_seed(0)
     net = _Cnn().eval()

@@ -23,7 +23,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from onnxtrain.train.outputs import any_batch_export
+from onnxtrain.train.free_batch import any_batch_export
 
 B = 16
 

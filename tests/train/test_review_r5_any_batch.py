@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from onnxtrain.train.outputs import any_batch_export
+from onnxtrain.train.free_batch import any_batch_export
 from tests.train.test_review_r2_any_batch import B, _floats, _ids, _ort, _per_chunk, _torch_export
 
 
