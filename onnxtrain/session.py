@@ -45,7 +45,7 @@ from onnxtrain.inference import (
     warn_unread_model_config,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import gc_paused, loadable_model
+from onnxtrain.ir.builder import MODEL_DESCRIPTION, carry_description, gc_paused, loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.ir.types import widens_exactly
@@ -168,9 +168,6 @@ def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
     return half_scatters_in_float32(model)
 
 
-_DESCRIPTION = ("producer_name", "producer_version", "doc_string", "domain", "model_version")
-
-
 @contextlib.contextmanager
 def described_as(dump: onnx.ModelProto, model: onnx.ModelProto) -> Iterator[onnx.ModelProto]:
     """``dump`` carrying ``model``'s description while the block runs, as onnxruntime-training 1.16.3's
@@ -178,19 +175,13 @@ def described_as(dump: onnx.ModelProto, model: onnx.ModelProto) -> Iterator[onnx
     metadata_props (but its onnxtrain.* keys, which describe what onnxtrain made of it before; the dump's own
     keys after them) and graph name. Put back afterwards: the dump may be the session's own graph."""
     # (each field's value or None when unset: proto2 fields set to their default would be written)
-    kept = ([getattr(dump, f) if dump.HasField(f) else None for f in _DESCRIPTION], list(dump.metadata_props),
-            dump.graph.name if dump.graph.HasField("name") else None)
-    props = {p.key: p.value for p in model.metadata_props if not p.key.startswith("onnxtrain.")}
-    props.update((p.key, p.value) for p in kept[1])
-    for f in _DESCRIPTION:
-        setattr(dump, f, getattr(model, f))
-    onnx.helper.set_model_props(dump, props)
-    if model.graph.name:
-        dump.graph.name = model.graph.name
+    kept = ([getattr(dump, f) if dump.HasField(f) else None for f in MODEL_DESCRIPTION],
+            list(dump.metadata_props), dump.graph.name if dump.graph.HasField("name") else None)
+    carry_description(model, dump)
     try:
         yield dump
     finally:
-        for f, value in zip(_DESCRIPTION, kept[0]):
+        for f, value in zip(MODEL_DESCRIPTION, kept[0]):
             if value is None:
                 dump.ClearField(f)
             else:

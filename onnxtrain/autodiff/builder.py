@@ -33,6 +33,7 @@ from onnxtrain.ir.builder import (
     LOW_FLOAT_TYPES,
     NameGen,
     NodeWriter,
+    carry_description,
     elem_type,
     loadable_model,
     model_opset,
@@ -697,19 +698,13 @@ def build_gradient_model(
     result = helper.make_model(
         helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs),
         opset_imports=list(model.opset_import), ir_version=model.ir_version,
-        # (the model's description, as onnxruntime-training's GradientGraphBuilder keeps it: 1.16.3 and
-        # 1.19.2; the model's onnxtrain.* keys are left out, they describe what onnxtrain made of it before)
-        producer_name=model.producer_name, producer_version=model.producer_version,
-        doc_string=model.doc_string, domain=model.domain, model_version=model.model_version,
     )
     result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)
-    props = {p.key: p.value for p in model.metadata_props if not p.key.startswith("onnxtrain.")}
     if bw.assumed:
-        props[SAME_SIZE_KEY] = json.dumps({d: sorted(map(list, slots))
-                                           for d, slots in sorted(bw.assumed.items())})
-    if props:
-        helper.set_model_props(result, props)
+        helper.set_model_props(result, {SAME_SIZE_KEY: json.dumps(
+            {d: sorted(map(list, slots)) for d, slots in sorted(bw.assumed.items())})})
+    carry_description(model, result)  # (as onnxruntime-training 1.16.3's and 1.19.2's builder keeps it)
     return result
 
 

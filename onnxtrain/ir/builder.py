@@ -666,6 +666,26 @@ def replace_attributes(node: onnx.NodeProto, drop: Iterable[str] = (), **values:
     node.attribute.extend(helper.make_attribute(k, v) for k, v in values.items())
 
 
+# the ModelProto fields that describe a model (with its graph's name and metadata_props: carry_description)
+MODEL_DESCRIPTION = ("producer_name", "producer_version", "doc_string", "domain", "model_version")
+
+
+def carry_description(base: onnx.ModelProto, m: onnx.ModelProto, own: Collection[str] | None = None) -> None:
+    """Give ``m`` the description of ``base``, a model it was made from, as onnxruntime-training keeps the
+    user's model's: the :data:`MODEL_DESCRIPTION` fields, the graph's name (when ``base``'s has one: onnx's
+    checker wants one) and metadata_props: ``base``'s first, then ``m``'s own keys (those in ``own``; every
+    one when None). ``base``'s ``onnxtrain.*`` keys are left out: they describe what onnxtrain made of it
+    before (a base that is an eval model of mixed-precision artifacts would make a Module expect a loss
+    scale)."""
+    for f in MODEL_DESCRIPTION:
+        setattr(m, f, getattr(base, f))
+    if base.graph.name:
+        m.graph.name = base.graph.name
+    props = {p.key: p.value for p in base.metadata_props if not p.key.startswith("onnxtrain.")}
+    props.update((p.key, p.value) for p in m.metadata_props if own is None or p.key in own)
+    helper.set_model_props(m, props)
+
+
 def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto:
     """A model at default-domain ``opset`` with the lowest IR version that opset allows.
 

@@ -111,7 +111,7 @@ from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, carry_description, model_opset, pausing_gc
 from onnxtrain.ir.graphs import (
     chain_shared_batch_norms,
     in_topological_order,
@@ -694,20 +694,11 @@ def _repeat_outputs(model: onnx.ModelProto, names: list[str]) -> None:
 
 
 def _carry_model_info(base: onnx.ModelProto, m: onnx.ModelProto, own: set[str]) -> None:
-    """Give ``m`` the base model's description, as onnxruntime-training's generator keeps it: doc_string,
-    model_version, producer name and version, domain, graph name and doc_string, and metadata_props: the
-    base's first, then ``own``, the keys this generation wrote into ``m``. The base's ``onnxtrain.*`` keys
-    are left out: they describe an earlier generation (a base that is an eval or exported model of
-    mixed-precision artifacts would otherwise make a Module expect a loss_scale input)."""
-    m.doc_string, m.model_version, m.domain = base.doc_string, base.model_version, base.domain
-    m.producer_name, m.producer_version = base.producer_name, base.producer_version
+    """Give ``m`` the base model's description, as onnxruntime-training's generator keeps it
+    (:func:`carry_description`; ``own``: the keys this generation wrote into ``m``), and its graph's
+    doc_string."""
+    carry_description(base, m, own)
     m.graph.doc_string = base.graph.doc_string
-    if base.graph.name:  # onnx.checker wants a graph name
-        m.graph.name = base.graph.name
-    props = {p.key: p.value for p in base.metadata_props if not p.key.startswith("onnxtrain.")}
-    props.update((p.key, p.value) for p in m.metadata_props if p.key in own)
-    del m.metadata_props[:]
-    helper.set_model_props(m, props)
 
 
 def _check_initializers(base: onnx.ModelProto, inits: dict[str, onnx.TensorProto], names: list[str],
